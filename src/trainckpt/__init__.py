@@ -1,0 +1,42 @@
+"""trainckpt: crash-safe checkpointing for PyTorch training."""
+
+__version__ = "0.1.0"
+
+from .checkpointer import Checkpointer  # noqa: E402
+from .config import CheckpointerConfig  # noqa: E402
+from .errors import (  # noqa: E402
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CheckpointTimeoutError,
+    ConfigurationError,
+    CorruptCheckpointError,
+    InvalidTrainStateError,
+    RankFailedError,
+    SharedFolderError,
+    StorageError,
+    UnsafeCheckpointError,
+)
+from .records import CheckpointManifest, CheckpointMetadata  # noqa: E402
+from .train_module import ModelAndOptim, TrainModule  # noqa: E402
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointManifest",
+    "CheckpointMetadata",
+    "CheckpointNotFoundError",
+    "CheckpointTimeoutError",
+    "Checkpointer",
+    "CheckpointerConfig",
+    "ConfigurationError",
+    "CorruptCheckpointError",
+    "InvalidTrainStateError",
+    "ModelAndOptim",
+    "RankFailedError",
+    "SharedFolderError",
+    "StorageError",
+    "TrainModule",
+    "UnsafeCheckpointError",
+    "__version__",
+]

@@ -1,0 +1,410 @@
+"""`Checkpointer`: save, save_async and load of whole training checkpoints, and the finders."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from . import dist, layout
+from .commit import SaveRequest, is_committed, save_checkpoint
+from .dcp import load_state, read_dcp_metadata, save_state
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    ConfigurationError,
+    CorruptCheckpointError,
+    InvalidTrainStateError,
+)
+from .records import CheckpointMetadata, FileEntry, crc32c_bytes
+from .staging import Stager
+from .storage import LocalStorage, Storage, StorageOptions, resolve
+from .train_module import TrainModule
+
+log = logging.getLogger(__name__)
+
+VerifyOnLoad = Literal["none", "size", "full"]
+
+
+def _default_work_dir() -> Path:
+    return Path(tempfile.gettempdir()) / f"trainckpt-{os.getuid() if hasattr(os, 'getuid') else 0}"
+
+
+def _default_threads() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+@dataclass
+class Checkpointer:
+    """Saves and loads checkpoints of a training run. Build one per run, on every rank, with
+    `CheckpointerConfig.build()`; its methods are then called on all ranks together.
+
+    In a multi-rank job it runs its own collectives on `process_group`, a gloo group it creates
+    when none is given (creating it is collective: construct the Checkpointer on all ranks).
+    """
+
+    METADATA_FNAME: ClassVar[str] = layout.METADATA_FILE
+
+    work_dir: Path = field(default_factory=_default_work_dir)
+    save_overwrite: bool = False
+    pre_download: bool = False
+    process_group: dist.ProcessGroup | None = None
+    save_thread_count: int | None = None
+    load_thread_count: int | None = None
+    throttle_uploads: bool = False
+    fs_timeout: float = 120.0
+    collective_timeout: float = 600.0
+    retry_deadline: float = 300.0
+    verify_on_load: VerifyOnLoad = "size"
+
+    def __post_init__(self) -> None:
+        self.work_dir = Path(self.work_dir)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        if self.process_group is None:
+            self.process_group = dist.new_cpu_group(self.collective_timeout)
+        else:
+            dist.check_cpu_group(self.process_group)
+        self._storage_options = StorageOptions(
+            thread_count=self.save_thread_count or 8, retry_deadline=self.retry_deadline
+        )
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="trainckpt-save")
+        self._pending: Future[str] | None = None
+        self._stager = Stager()
+        self._lock = threading.Lock()
+
+    # -- saving ---------------------------------------------------------------------------------
+    def save(
+        self,
+        dir: str | os.PathLike,
+        train_module: TrainModule,
+        train_state: dict[str, Any],
+        *,
+        ephemeral: bool = False,
+    ) -> str:
+        """Save and commit a checkpoint; return its path. Blocks until committed.
+
+        Called on: all ranks.
+        """
+        self._finish_pending()
+        start = time.perf_counter()
+        req = self._request(dir, ephemeral)
+        trainer_bytes = _serialize_trainer_state(train_state, req.dir)
+        state = train_module.state_dict_to_save()
+        path = save_checkpoint(req, self._write_fn(state, trainer_bytes))
+        self._log_saved(path, start, start)
+        return path
+
+    def save_async(
+        self,
+        dir: str | os.PathLike,
+        train_module: TrainModule,
+        train_state: dict[str, Any],
+        *,
+        ephemeral: bool = False,
+    ) -> Future[str]:
+        """Stage the state in CPU memory, then write and commit it in the background.
+
+        Returns once staged: the caller may change parameters and trainer state right away.
+        The future resolves to the committed path only after the commit; until then no finder
+        reports the checkpoint. One save runs at a time: this call first waits for the previous
+        one (and raises its error, if it failed). Staging reuses one CPU copy of the state.
+
+        Called on: all ranks.
+        """
+        self._finish_pending()
+        start = time.perf_counter()
+        req = self._request(dir, ephemeral)
+        trainer_bytes = _serialize_trainer_state(train_state, req.dir)
+        staged = self._stager.stage(train_module.state_dict_to_save())
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        staged_at = time.perf_counter()
+        log.info("staged checkpoint '%s' in %.2fs; writing in the background", req.dir, staged_at - start)
+
+        def run() -> str:
+            path = save_checkpoint(req, self._write_fn(staged, trainer_bytes))
+            self._log_saved(path, start, staged_at)
+            return path
+
+        with self._lock:
+            self._pending = self._executor.submit(run)
+            return self._pending
+
+    def write_file(self, dir: str | os.PathLike, fname: str, contents: str | bytes) -> str:
+        """Write one file into a folder, atomically; refused if it exists, unless
+        `save_overwrite`. Returns its path. Called on: whichever ranks want to write it."""
+        storage, folder = resolve(dir, self._storage_options)
+        data = contents.encode() if isinstance(contents, str) else contents
+        target = storage.join(folder, fname)
+        storage.write_bytes(target, data, overwrite=self.save_overwrite)
+        return target
+
+    def wait(self) -> str | None:
+        """Wait for the in-flight async save, if any; return its path or raise its error."""
+        return self._finish_pending()
+
+    def close(self) -> None:
+        """Wait for the in-flight save, raise its error if it failed, and stop the worker."""
+        try:
+            self._finish_pending()
+        finally:
+            self._executor.shutdown(wait=True)
+            self._stager.release()
+
+    def _finish_pending(self) -> str | None:
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        try:
+            return pending.result()
+        except Exception as e:
+            raise CheckpointError(f"the previous async save failed: {e}") from e
+
+    def _request(self, dir: str | os.PathLike, ephemeral: bool) -> SaveRequest:
+        storage, path = resolve(dir, self._storage_options)
+        if not storage.writable:
+            raise ConfigurationError(f"cannot save to '{path}': that storage is read-only")
+        return SaveRequest(
+            storage=storage,
+            dir=path,
+            step=layout.parse_step(storage.name(path)),
+            ephemeral=ephemeral,
+            overwrite=self.save_overwrite,
+            group=self.process_group,
+            fs_timeout=self.fs_timeout,
+            work_dir=self.work_dir,
+        )
+
+    def _write_fn(self, state: dict[str, Any], trainer_bytes: bytes):
+        group = self.process_group
+        threads = self.save_thread_count or _default_threads()
+
+        def write(folder: Path) -> dict[str, FileEntry]:
+            rel = layout.trainer_state_file(dist.get_rank(group))
+            error: Exception | None = None
+            try:
+                LocalStorage().write_bytes(str(folder / rel), trainer_bytes)
+            except Exception as e:
+                error = e
+            dist.agree(error, f"writing trainer state under '{folder}'", group)
+            entries = {rel: FileEntry(size=len(trainer_bytes), crc32c=crc32c_bytes(trainer_bytes))}
+            entries.update(
+                save_state(state, folder / layout.MODEL_DIR, group=group, thread_count=threads)
+            )
+            return entries
+
+        return write
+
+    def _log_saved(self, path: str, start: float, unblocked: float) -> None:
+        end = time.perf_counter()
+        log.info(
+            "committed checkpoint '%s' in %.2fs (training blocked %.2fs)",
+            path,
+            end - start,
+            unblocked - start if unblocked > start else end - start,
+        )
+
+    # -- loading --------------------------------------------------------------------------------
+    def load(
+        self,
+        dir: str | os.PathLike,
+        train_module: TrainModule,
+        *,
+        load_trainer_state: bool | None = None,
+        load_optim_state: bool | None = None,
+    ) -> dict[str, Any] | None:
+        """Load a checkpoint (local path or URL) into `train_module`; return this rank's
+        trainer state, rank 0's when the world size changed, or None when not asked for or
+        (with `load_trainer_state=None`) absent. A bare DCP folder loads too.
+
+        Called on: all ranks.
+        """
+        self._finish_pending()
+        start = time.perf_counter()
+        storage, path = resolve(dir, self._storage_options)
+        dcp_folder = _dcp_folder(storage, path)
+
+        trainer_state = None
+        if load_trainer_state is not False:
+            trainer_state = self._load_trainer_state(storage, path, required=bool(load_trainer_state))
+
+        metadata = read_dcp_metadata(storage, dcp_folder)
+        state = train_module.state_dict_to_load(metadata, optim=load_optim_state)
+        load_state(state, storage, dcp_folder, metadata, group=self.process_group)
+        train_module.load_state_dict(state)
+        log.info("loaded checkpoint '%s' in %.2fs", path, time.perf_counter() - start)
+        return trainer_state
+
+    def _load_trainer_state(self, storage: Storage, path: str, *, required: bool) -> dict | None:
+        rank = dist.get_rank(self.process_group)
+        own = storage.join(path, layout.trainer_state_file(rank))
+        rank0 = storage.join(path, layout.trainer_state_file(0))
+        for candidate in (own, rank0):
+            try:
+                data = storage.read_bytes(candidate)
+            except FileNotFoundError:
+                continue
+            if candidate != own:
+                log.warning(
+                    "'%s' not found (the checkpoint was saved with another world size); "
+                    "using rank 0's trainer state '%s'",
+                    own,
+                    rank0,
+                )
+            return _deserialize_trainer_state(data, candidate)
+        if required:
+            raise CheckpointNotFoundError(
+                f"no trainer state in '{path}' (looked for '{own}' and '{rank0}'); pass "
+                "load_trainer_state=False to load model and optimizer state only"
+            )
+        return None
+
+    # -- finding --------------------------------------------------------------------------------
+    @classmethod
+    def checkpoint_dirname(cls, step: int) -> str:
+        return layout.checkpoint_dirname(step)
+
+    @classmethod
+    def dir_is_checkpoint(cls, dir: str | os.PathLike) -> bool:
+        """True for a committed checkpoint or a bare DCP folder (model weights only)."""
+        storage, path = resolve(dir)
+        return is_committed(storage, path) or storage.exists(
+            storage.join(path, layout.DCP_METADATA_FILE)
+        )
+
+    @classmethod
+    def find_checkpoints(
+        cls, dir: str | os.PathLike, ephemeral: bool | None = None
+    ) -> Iterator[tuple[int, str]]:
+        """Committed checkpoints directly under `dir`, as (step, path), ascending by step.
+
+        One listing of `dir`; one existence check per step folder (plus one metadata read per
+        folder with the `ephemeral` filter). `-tmp` folders and folders without a commit record
+        are skipped.
+        """
+        storage, path = resolve(dir)
+        for step, ckpt in _step_folders(storage, path):
+            if not is_committed(storage, ckpt):
+                continue
+            if ephemeral is not None and cls.read_metadata(ckpt).ephemeral != ephemeral:
+                continue
+            yield step, ckpt
+
+    @classmethod
+    def contains_checkpoint(cls, dir: str | os.PathLike) -> bool:
+        """True when `dir` is a checkpoint or holds at least one."""
+        if cls.dir_is_checkpoint(dir):
+            return True
+        try:
+            cls.latest_checkpoint(dir)
+        except FileNotFoundError:
+            return False
+        return True
+
+    @classmethod
+    def latest_checkpoint(cls, dir: str | os.PathLike) -> str:
+        """Path of the committed checkpoint with the highest step under `dir`.
+
+        Probes step folders from the newest down and stops at the first committed one.
+        Raises `CheckpointNotFoundError` (a `FileNotFoundError`) when there is none.
+        """
+        storage, path = resolve(dir)
+        for _step, ckpt in reversed(_step_folders(storage, path)):
+            if is_committed(storage, ckpt):
+                return ckpt
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint in '{path}' (looked for step folders holding "
+            f"{layout.METADATA_FILE}); start from scratch or point to another folder"
+        )
+
+    @classmethod
+    def read_metadata(cls, dir: str | os.PathLike) -> CheckpointMetadata:
+        """The commit record of a checkpoint."""
+        storage, path = resolve(dir)
+        where = storage.join(path, layout.METADATA_FILE)
+        try:
+            data = storage.read_bytes(where)
+        except FileNotFoundError as e:
+            raise CheckpointNotFoundError(
+                f"'{path}' is not a committed checkpoint: '{where}' does not exist"
+            ) from e
+        return CheckpointMetadata.from_json(data, where)
+
+
+def _step_folders(storage: Storage, path: str) -> list[tuple[int, str]]:
+    """(step, path) of every `step{N}` folder directly under `path`, ascending, in one listing."""
+    if not storage.supports_listing:
+        raise ConfigurationError(
+            f"'{path}' cannot be listed (that storage has no listing); "
+            "pass the URL of one checkpoint instead of a folder of checkpoints"
+        )
+    listing = storage.list_dir(path)
+    steps = [(s, name) for name in listing.dirs if (s := layout.parse_step(name)) is not None]
+    return [(s, storage.join(path, name)) for s, name in sorted(steps)]
+
+
+def _dcp_folder(storage: Storage, path: str) -> str:
+    """The DCP folder of a checkpoint: `model_and_optim/`, or the folder itself when bare."""
+    nested = storage.join(path, layout.MODEL_DIR)
+    if storage.exists(storage.join(nested, layout.DCP_METADATA_FILE)):
+        return nested
+    if storage.exists(storage.join(path, layout.DCP_METADATA_FILE)):
+        return path
+    if is_committed(storage, path):
+        raise CorruptCheckpointError(
+            f"'{path}' is committed but '{nested}/{layout.DCP_METADATA_FILE}' is missing; the "
+            "checkpoint is damaged: load an older one or restore it from a copy"
+        )
+    raise CheckpointNotFoundError(
+        f"'{path}' is not a checkpoint (no {layout.METADATA_FILE}, no "
+        f"{layout.MODEL_DIR}/{layout.DCP_METADATA_FILE}); check the path, or use "
+        "Checkpointer.latest_checkpoint(folder) to find one"
+    )
+
+
+def _serialize_trainer_state(train_state: dict[str, Any], where: str) -> bytes:
+    """`torch.save` bytes of the trainer state, refused now if they would not load back with
+    `weights_only=True` (so a bad type fails the save, not the resume a week later)."""
+    if not isinstance(train_state, dict):
+        raise InvalidTrainStateError(
+            f"trainer state for '{where}' must be a dict, got {type(train_state).__name__}"
+        )
+    buf = io.BytesIO()
+    torch.save(train_state, buf)
+    data = buf.getvalue()
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:
+        raise InvalidTrainStateError(
+            f"trainer state for '{where}' holds objects that cannot be loaded safely "
+            f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); keep it to plain types "
+            "(dict, list, tuple, str, int, float, bool, None) and tensors: convert other "
+            "objects first, e.g. numpy arrays with torch.from_numpy and RNG states with "
+            "torch.get_rng_state()"
+        ) from e
+    return data
+
+
+def _deserialize_trainer_state(data: bytes, where: str) -> dict[str, Any]:
+    try:
+        state = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except Exception as e:
+        raise CorruptCheckpointError(
+            f"'{where}' cannot be loaded as plain trainer state ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}); nothing from it was run. The file is "
+            "damaged or unsafe: load an older checkpoint or restore it from a copy"
+        ) from e
+    if not isinstance(state, dict):
+        raise CorruptCheckpointError(f"'{where}' holds {type(state).__name__}, not a dict")
+    return state

@@ -1,0 +1,221 @@
+"""The commit protocol (DESIGN §4): how a save becomes a checkpoint, or leaves nothing behind.
+
+One function per kind of target, each reading top to bottom. Both end the same way: rank 0
+writes `.manifest.json` and then `.metadata.json`; a folder without `.metadata.json` is never a
+checkpoint, whatever else it holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import dist
+from .errors import CheckpointExistsError, CheckpointTimeoutError, SharedFolderError
+from .layout import MANIFEST_FILE, METADATA_FILE, tmp_name
+from .records import CheckpointManifest, CheckpointMetadata, FileEntry
+from .storage import Storage
+
+log = logging.getLogger(__name__)
+
+WriteFn = Callable[[Path], dict[str, FileEntry]]
+"""Writes this rank's files of the checkpoint under a local folder and returns them (relative
+path -> size and CRC32C). Called on all ranks; may run collectives on the commit's group."""
+
+PROBE_PREFIX = ".probe-"
+
+
+@dataclass(frozen=True)
+class SaveRequest:
+    storage: Storage
+    dir: str
+    step: int | None
+    ephemeral: bool
+    overwrite: bool
+    group: dist.ProcessGroup | None
+    fs_timeout: float
+    work_dir: Path
+    upload_turns: Callable[[Callable[[], None]], None] | None = None
+    """Runs a rank's uploads, possibly in turns with other ranks (`throttle_uploads`)."""
+
+
+def save_checkpoint(req: SaveRequest, write: WriteFn) -> str:
+    """Save through the protocol that fits the target's back end; return the committed path.
+
+    Called on: all ranks.
+    """
+    if req.storage.atomic_rename:
+        return _save_by_rename(req, write)
+    return _save_to_object_store(req, write)
+
+
+def is_committed(storage: Storage, dir: str) -> bool:
+    return storage.exists(storage.join(dir, METADATA_FILE))
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float) -> bool:
+    """Poll `predicate` with backoff until it holds or `timeout` seconds pass."""
+    deadline = time.monotonic() + timeout
+    delay = 0.005
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(delay)
+        delay = min(delay * 2, 0.5)
+    return True
+
+
+# -- local and shared filesystems ----------------------------------------------------------------
+
+
+def _save_by_rename(req: SaveRequest, write: WriteFn) -> str:
+    storage, dir, group = req.storage, req.dir, req.group
+    tmp = storage.join(storage.parent(dir), tmp_name(storage.name(dir)))
+
+    # 1. Prepare (rank 0): refuse a committed target, clear crash leftovers, create `-tmp` with
+    #    a probe file. Every rank gets rank 0's outcome, so all stop on a refusal.
+    token = dist.run_on_rank0(
+        lambda: _prepare_tmp(storage, dir, tmp, req.overwrite), f"preparing '{tmp}'", group
+    )
+
+    # 2. Every rank must see the probe before anything is written: a rank that never sees it
+    #    is on a node whose folder is not shared, and would write its shards somewhere else.
+    probe = storage.local_path(storage.join(tmp, PROBE_PREFIX + token))
+    seen = wait_for(probe.exists, req.fs_timeout)
+    dist.agree(
+        None
+        if seen
+        else SharedFolderError(
+            f"rank {dist.get_rank(group)} does not see '{probe}', written by rank 0 "
+            f"{req.fs_timeout:.0f}s ago: the save folder '{storage.parent(dir)}' is not shared "
+            "by all ranks. Use a shared filesystem (NFS) or a gs:// folder, with work_dir on "
+            "the local disk for staging"
+        ),
+        "checking that the save folder is shared",
+        group,
+    )
+
+    # 3. Every rank writes its files into `-tmp`, each fsynced. A failure on any rank stops all.
+    entries, error = _run_write(write, storage.local_path(tmp))
+    dist.agree(error, f"writing checkpoint files into '{tmp}'", group)
+
+    # 4. Gathering every rank's file list is also the barrier after which all files are durable.
+    parts = dist.all_gather_object(entries, group)
+
+    # 5. Rank 0 writes the manifest, then the commit record, then renames `-tmp` into place.
+    def commit() -> None:
+        storage.delete_files([storage.join(tmp, PROBE_PREFIX + token)])
+        _write_records(req, tmp, parts)
+        if storage.exists(storage.join(dir, METADATA_FILE)) or storage.local_path(dir).exists():
+            # save_overwrite of a committed checkpoint: the new one is complete; only now
+            # does the old one go, commit record first.
+            storage.delete_tree(dir, first=[METADATA_FILE])
+        storage.rename_dir(tmp, dir)
+
+    dist.run_on_rank0(commit, f"committing '{dir}'", group)
+
+    # 6. Shared filesystems can lag: every rank waits until it sees the committed folder.
+    target = storage.local_path(storage.join(dir, METADATA_FILE))
+    if not wait_for(target.exists, req.fs_timeout):
+        raise CheckpointTimeoutError(
+            f"rank {dist.get_rank(group)} waited {req.fs_timeout:.0f}s for '{target}' "
+            "to appear after rank 0 committed it; the shared filesystem is lagging or not shared"
+        )
+    return dir
+
+
+def _prepare_tmp(storage: Storage, dir: str, tmp: str, overwrite: bool) -> str:
+    if is_committed(storage, dir) and not overwrite:
+        raise CheckpointExistsError(
+            f"'{dir}' is already a committed checkpoint; pass save_overwrite=True to replace "
+            "it, or save to another step"
+        )
+    local_dir, local_tmp = storage.local_path(dir), storage.local_path(tmp)
+    if local_dir.exists() and not is_committed(storage, dir):
+        log.warning("removing '%s': an uncommitted leftover of an interrupted save", dir)
+        storage.delete_tree(dir)
+    if local_tmp.exists():
+        log.warning("removing '%s': the working folder of an interrupted save", tmp)
+        storage.delete_tree(tmp)
+    local_tmp.mkdir(parents=True)
+    token = uuid.uuid4().hex
+    storage.write_bytes(storage.join(tmp, PROBE_PREFIX + token), b"")
+    return token
+
+
+# -- object stores -----------------------------------------------------------------------------
+
+
+def _save_to_object_store(req: SaveRequest, write: WriteFn) -> str:
+    storage, dir, group = req.storage, req.dir, req.group
+
+    # 1. Prepare (rank 0): refuse a committed target; clear an uncommitted prefix (a crashed
+    #    save of this step), or, with save_overwrite, the old checkpoint, commit record first.
+    dist.run_on_rank0(lambda: _prepare_prefix(storage, dir, req.overwrite), f"preparing '{dir}'", group)
+
+    # 2. Every rank writes its files into its own staging folder on local disk.
+    staging = req.work_dir / f"staging-{uuid.uuid4().hex[:12]}"
+    staging.mkdir(parents=True)
+    try:
+        entries, error = _run_write(write, staging)
+        dist.agree(error, f"writing checkpoint files into '{staging}'", group)
+
+        # 3. Every rank uploads its own files; an upload error on any rank stops all.
+        def upload() -> None:
+            storage.upload_many([(staging / rel, storage.join(dir, rel)) for rel in entries])
+
+        error = None
+        try:
+            (req.upload_turns or (lambda fn: fn()))(upload)
+        except Exception as e:
+            error = e
+        dist.agree(error, f"uploading checkpoint files to '{dir}'", group)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+    # 4. After every upload completed: rank 0 uploads the manifest, then the commit record
+    #    (create-only unless save_overwrite, so two racing saves cannot both commit).
+    parts = dist.all_gather_object(entries, group)
+    dist.run_on_rank0(lambda: _write_records(req, dir, parts), f"committing '{dir}'", group)
+    return dir
+
+
+def _prepare_prefix(storage: Storage, dir: str, overwrite: bool) -> None:
+    if is_committed(storage, dir):
+        if not overwrite:
+            raise CheckpointExistsError(
+                f"'{dir}' is already a committed checkpoint; pass save_overwrite=True to "
+                "replace it, or save to another step"
+            )
+        storage.delete_tree(dir, first=[METADATA_FILE])
+    elif storage.list_files(dir):
+        log.warning("removing '%s': an uncommitted leftover of an interrupted save", dir)
+        storage.delete_tree(dir)
+
+
+# -- shared steps --------------------------------------------------------------------------------
+
+
+def _run_write(write: WriteFn, folder: Path) -> tuple[dict[str, FileEntry], Exception | None]:
+    try:
+        return write(folder), None
+    except Exception as e:  # shared with the other ranks by the caller
+        return {}, e
+
+
+def _write_records(req: SaveRequest, folder: str, parts: list[dict[str, FileEntry]]) -> None:
+    """Rank 0: `.manifest.json`, then `.metadata.json` — the commit — into `folder`."""
+    manifest = CheckpointManifest.merge(
+        parts, step=req.step, world_size=dist.get_world_size(req.group)
+    )
+    req.storage.write_bytes(req.storage.join(folder, MANIFEST_FILE), manifest.to_json())
+    req.storage.write_bytes(
+        req.storage.join(folder, METADATA_FILE),
+        CheckpointMetadata(ephemeral=req.ephemeral).to_json(),
+        overwrite=req.overwrite or req.storage.atomic_rename,
+    )

@@ -1,0 +1,86 @@
+"""`CheckpointerConfig`: every knob of a `Checkpointer`, validated, readable from YAML or JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from . import dist
+from .checkpointer import Checkpointer, VerifyOnLoad, _default_work_dir
+from .errors import ConfigurationError
+
+
+class CheckpointerConfig(BaseModel):
+    """Settings of a `Checkpointer`. Unknown keys are refused, so a typo cannot pass silently."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    work_dir: Path = Field(default_factory=_default_work_dir)
+    """Node-local scratch folder: staging of uploads to object stores and the cache of files
+    downloaded from URLs. Not the save folder."""
+    save_overwrite: bool = False
+    """Replace a committed checkpoint of the same step instead of refusing to save."""
+    pre_download: bool = False
+    """When loading from a URL, download the files this rank needs before reading them, instead
+    of reading byte ranges on demand."""
+    save_thread_count: int | None = Field(default=None, ge=1, le=64)
+    """Threads per rank writing (and uploading) files; None picks min(4, CPUs)."""
+    load_thread_count: int | None = Field(default=None, ge=1, le=64)
+    """Threads per rank reading (and downloading) files; None picks min(4, CPUs)."""
+    throttle_uploads: bool = False
+    """Upload to object stores one local rank at a time per node, to spare the node's network."""
+    fs_timeout: float = Field(default=120.0, gt=0)
+    """Seconds to wait for files and folders written by another rank to become visible
+    (shared filesystems lag) before failing with an error saying what was awaited."""
+    collective_timeout: float = Field(default=600.0, gt=0)
+    """Seconds a collective of the checkpointer's own process group may wait for a peer; a rank
+    that died during a save makes the others fail after at most this long."""
+    retry_deadline: float = Field(default=300.0, gt=0)
+    """Seconds a remote storage request may keep retrying transient errors."""
+    verify_on_load: VerifyOnLoad = "size"
+    """Check files against the manifest before loading: none, size (cheap) or full (CRC32C)."""
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> CheckpointerConfig:
+        """Read a YAML or JSON file (a top-level `checkpointer:` key is accepted too)."""
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except FileNotFoundError as e:
+            raise ConfigurationError(f"config file '{p}' does not exist") from e
+        try:
+            raw = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+        except (json.JSONDecodeError, yaml.YAMLError) as e:
+            raise ConfigurationError(f"config file '{p}' is not valid YAML/JSON: {e}") from e
+        raw = raw or {}
+        if not isinstance(raw, dict):
+            raise ConfigurationError(f"config file '{p}' must hold a mapping of settings")
+        if "checkpointer" in raw and isinstance(raw["checkpointer"], dict):
+            raw = raw["checkpointer"]
+        return cls.validated(raw, where=str(p))
+
+    @classmethod
+    def validated(cls, raw: dict[str, Any], where: str = "CheckpointerConfig") -> CheckpointerConfig:
+        """Validate `raw`, turning pydantic's errors into one message that names each field."""
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as e:
+            problems = "; ".join(
+                f"{'.'.join(str(x) for x in err['loc']) or '(root)'}: {err['msg']}"
+                for err in e.errors()
+            )
+            raise ConfigurationError(f"{where}: invalid checkpointer settings: {problems}") from e
+
+    def build(
+        self, process_group: dist.ProcessGroup | None = None, **overrides: Any
+    ) -> Checkpointer:
+        """A `Checkpointer` with these settings, `overrides` applied (and validated) on top.
+
+        Called on: all ranks (the checkpointer may create its own process group).
+        """
+        cfg = self.validated({**self.model_dump(), **overrides}) if overrides else self
+        return Checkpointer(process_group=process_group, **cfg.model_dump())

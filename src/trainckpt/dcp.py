@@ -1,0 +1,246 @@
+"""Glue to `torch.distributed.checkpoint` (DCP): a writer that records what it wrote, and a
+reader that loads through our storage interface without ever unpickling arbitrary objects.
+
+Plain DCP unpickles its `.metadata` file and loads non-tensor values with
+`torch.load(weights_only=False)`: a crafted checkpoint could run code. Here `.metadata` is read
+with an allow-list unpickler and values with `weights_only=True`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import pickle
+import queue
+import warnings
+from collections.abc import Generator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import (
+    FileSystemBase,
+    FileSystemReader,
+    FileSystemWriter,
+    _split_by_size_and_type,
+)
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem, SavePlan, SavePlanner
+
+from . import dist
+from .errors import CorruptCheckpointError, UnsafeCheckpointError
+from .layout import DCP_METADATA_FILE
+from .records import FileEntry, crc32c_file
+from .storage import Storage
+
+# -- saving ------------------------------------------------------------------------------------
+
+
+class _RecordingWriter(FileSystemWriter):
+    """DCP's file writer that skips empty shard files and remembers the files it wrote."""
+
+    def __init__(self, path: Path, thread_count: int) -> None:
+        super().__init__(
+            path, single_file_per_rank=True, sync_files=True, thread_count=thread_count
+        )
+        self.written: list[str] = []
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        prefix = plan.storage_data.prefix
+        file_queue: queue.Queue = queue.Queue()
+        buckets = [b for b in _split_by_size_and_type(self.thread_count, plan.items) if b]
+        for i, bucket in enumerate(buckets):
+            name = f"{prefix}{i}.distcp"
+            self.written.append(name)
+            file_queue.put((self.fs.concat_path(self.path, name), name, bucket))
+        if not buckets:
+            fut: Future = Future()
+            fut.set_result([])
+            return fut
+        return self._write_data(planner, file_queue)
+
+
+def save_state(
+    state: dict[str, Any],
+    folder: Path,
+    *,
+    group: dist.ProcessGroup | None,
+    thread_count: int,
+) -> dict[str, FileEntry]:
+    """Write `state` as a DCP folder and return the files this rank wrote (relative to the
+    folder's parent) with size and CRC32C.
+
+    Called on: all ranks (DCP plans collectively; rank 0 also writes `.metadata`).
+    """
+    writer = _RecordingWriter(folder, thread_count=thread_count)
+    with _quiet_single_process():
+        dcp.save(
+            state, storage_writer=writer, process_group=group, no_dist=not dist.is_distributed()
+        )
+    names = list(writer.written)
+    if dist.get_rank(group) == 0:
+        names.append(DCP_METADATA_FILE)
+    with ThreadPoolExecutor(max(1, min(thread_count, len(names) or 1))) as pool:
+        entries = list(pool.map(lambda n: crc32c_file(folder / n), names))
+    return {f"{folder.name}/{n}": e for n, e in zip(names, entries)}
+
+
+# -- loading -----------------------------------------------------------------------------------
+
+
+class _StorageFS(FileSystemBase):
+    """DCP's read-side file system calls served by one of our storage back ends."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Generator[IO[bytes], None, None]:
+        if mode != "rb":
+            raise ValueError("read-only")
+        with self.storage.open_read(str(path)) as f:
+            yield f
+
+    def concat_path(self, path: Any, suffix: str) -> str:
+        return self.storage.join(str(path), suffix)
+
+    def init_path(self, path: Any) -> str:
+        return str(path)
+
+    def exists(self, path: Any) -> bool:
+        return self.storage.exists(str(path))
+
+    def rename(self, path: Any, new_path: Any) -> None:
+        raise NotImplementedError
+
+    def mkdir(self, path: Any) -> None:
+        raise NotImplementedError
+
+    def rm_file(self, path: Any) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return True
+
+
+_SAFE_MODULE_PREFIXES = ("torch.distributed.checkpoint.", "torch.distributed.tensor.")
+_SAFE_GLOBALS = {
+    ("collections", "OrderedDict"),
+    ("torch", "Size"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("builtins", "getattr"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "device"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata: DCP's own dataclasses, torch dtypes/sizes, plain containers."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith(_SAFE_MODULE_PREFIXES) or (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
+            return super().find_class(module, name)
+        if module == "torch" and name in ("contiguous_format", "channels_last", "preserve_format"):
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(
+            f"DCP metadata refers to {module}.{name}, which trainckpt does not load "
+            "(it could run code); the checkpoint is not a plain DCP checkpoint"
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafeCheckpointError("DCP metadata holds persistent ids; refusing to load it")
+
+
+def read_dcp_metadata(storage: Storage, folder: str) -> Metadata:
+    """DCP's `.metadata` of `folder`, read safely."""
+    where = storage.join(folder, DCP_METADATA_FILE)
+    data = storage.read_bytes(where)
+    try:
+        md = _MetadataUnpickler(io.BytesIO(data)).load()
+    except UnsafeCheckpointError as e:
+        raise UnsafeCheckpointError(f"{where}: {e}") from e
+    except Exception as e:
+        raise CorruptCheckpointError(
+            f"{where} cannot be read as DCP metadata ({type(e).__name__}: {e}); "
+            "the checkpoint is damaged: restore it from a copy or use an older checkpoint"
+        ) from e
+    if not isinstance(md, Metadata):
+        raise CorruptCheckpointError(f"{where} does not hold DCP metadata")
+    return md
+
+
+class _SafeReader(FileSystemReader):
+    def __init__(self, storage: Storage, folder: str, metadata: Metadata) -> None:
+        super().__init__(folder)
+        self.fs = _StorageFS(storage)
+        self.path = folder
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        md = dataclasses.replace(self._metadata)
+        md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        if md.planner_data is None:
+            md.planner_data = {}
+        return md
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """Loads non-tensor values with `weights_only=True`."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise UnsafeCheckpointError(
+                f"value '{read_item.dest_index.fqn}' in the DCP checkpoint is not plain data "
+                f"and is not loaded ({e})"
+            ) from e
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def load_state(
+    state: dict[str, Any],
+    storage: Storage,
+    folder: str,
+    metadata: Metadata,
+    *,
+    group: dist.ProcessGroup | None,
+) -> None:
+    """Fill `state` in place from the DCP folder `folder`.
+
+    Called on: all ranks (DCP plans collectively).
+    """
+    with _quiet_single_process():
+        dcp.load(
+            state,
+            storage_reader=_SafeReader(storage, folder, metadata),
+            planner=_SafeLoadPlanner(),
+            process_group=group,
+            no_dist=not dist.is_distributed(),
+        )
+
+
+@contextmanager
+def _quiet_single_process() -> Generator[None, None, None]:
+    """DCP warns on every single-process call that it assumes a single process; it is right."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield

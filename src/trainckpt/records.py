@@ -1,0 +1,146 @@
+"""`.metadata.json` and `.manifest.json` as pydantic models, plus the CRC32C helpers they need."""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Literal
+
+import google_crc32c
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from . import __version__
+from .errors import CorruptCheckpointError
+from .layout import FORMAT_VERSION
+
+_CHUNK = 8 * 1024 * 1024
+
+
+class CheckpointMetadata(BaseModel):
+    """The commit record. Exactly OLMo-core's two fields, so either library reads the other's.
+
+    A missing `ephemeral` (older OLMo-core checkpoints) means permanent.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    ephemeral: bool = False
+    version: str = __version__
+
+    def to_json(self) -> bytes:
+        return json.dumps({"ephemeral": self.ephemeral, "version": self.version}).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> CheckpointMetadata:
+        raw = _parse_json_object(data, where)
+        if raw.get("ephemeral") is None:
+            raw.pop("ephemeral", None)
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as e:
+            raise CorruptCheckpointError(
+                f"{where} is not a valid commit record ({e.errors()[0]['msg']}); "
+                "the checkpoint cannot be trusted: delete it or restore it from a copy"
+            ) from e
+
+
+class FileEntry(BaseModel):
+    """Size and CRC32C (8 lowercase hex digits) of one file."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    size: int = Field(ge=0)
+    crc32c: str = Field(pattern=r"^[0-9a-f]{8}$")
+
+
+class CheckpointManifest(BaseModel):
+    """Every file of a checkpoint but the two JSON records, with size and CRC32C.
+
+    Paths are relative to the checkpoint folder with `/` separators. Paths are not validated
+    here so that `verify` can report an escaping entry instead of refusing the whole manifest.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    format: Literal[1] = FORMAT_VERSION
+    step: int | None = None
+    created_at: str = Field(default_factory=lambda: utc_now_iso())
+    world_size: int = Field(default=1, ge=1)
+    files: dict[str, FileEntry] = Field(default_factory=dict)
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.model_dump(), indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> CheckpointManifest:
+        raw = _parse_json_object(data, where)
+        if raw.get("format") != FORMAT_VERSION:
+            raise CorruptCheckpointError(
+                f"{where} has format {raw.get('format')!r}; this trainckpt reads format "
+                f"{FORMAT_VERSION}: upgrade trainckpt or re-save the checkpoint"
+            )
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as e:
+            err = e.errors()[0]
+            loc = ".".join(str(p) for p in err["loc"])
+            raise CorruptCheckpointError(
+                f"{where} is not a valid manifest ({loc}: {err['msg']}); "
+                "the checkpoint cannot be verified: delete it or restore it from a copy"
+            ) from e
+
+    @classmethod
+    def merge(
+        cls, parts: Iterable[dict[str, FileEntry]], *, step: int | None, world_size: int
+    ) -> CheckpointManifest:
+        files: dict[str, FileEntry] = {}
+        for part in parts:
+            files.update(part)
+        return cls(step=step, world_size=world_size, files=dict(sorted(files.items())))
+
+
+def _parse_json_object(data: bytes, where: str) -> dict:
+    try:
+        raw = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        what = "empty" if not data.strip() else f"not JSON ({e})"
+        raise CorruptCheckpointError(
+            f"{where} is {what}; the checkpoint is damaged: delete it or restore it from a copy"
+        ) from e
+    if not isinstance(raw, dict):
+        raise CorruptCheckpointError(
+            f"{where} holds {type(raw).__name__}, not a JSON object; the checkpoint is damaged"
+        )
+    return raw
+
+
+def utc_now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def crc32c_bytes(data: bytes) -> str:
+    """CRC32C of `data` as 8 lowercase hex digits."""
+    return f"{google_crc32c.value(data):08x}"
+
+
+def crc32c_file(path: str | Path) -> FileEntry:
+    """Size and CRC32C of a local file, read in chunks."""
+    crc = google_crc32c.Checksum()
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_CHUNK):
+            crc.update(chunk)
+            size += len(chunk)
+    return FileEntry(size=size, crc32c=crc.digest().hex())
+
+
+def crc32c_from_gcs(b64: str) -> str:
+    """GCS reports CRC32C as base64 of 4 big-endian bytes; convert to our hex form."""
+    return base64.b64decode(b64).hex()
+
+
+def crc32c_to_gcs(hex8: str) -> str:
+    return base64.b64encode(bytes.fromhex(hex8)).decode()

@@ -1,0 +1,40 @@
+"""Storage back ends. `storage_for` is the only place that looks at a URL scheme."""
+
+from __future__ import annotations
+
+from .base import DEFAULT_OPTIONS, Listing, Storage, StorageOptions
+from .local import LocalStorage
+
+__all__ = ["Listing", "Storage", "StorageOptions", "LocalStorage", "storage_for", "resolve"]
+
+_LOCAL = LocalStorage()
+
+
+def storage_for(location: str, options: StorageOptions = DEFAULT_OPTIONS) -> Storage:
+    """The back end that serves `location` (a local path, `file://`, `gs://`, `http(s)://`)."""
+    scheme = location.split("://", 1)[0].lower() if "://" in location else ""
+    if scheme in ("", "file"):
+        return _LOCAL
+    if scheme == "gs":
+        from .gcs import GCSStorage
+
+        return GCSStorage.shared(options)
+    if scheme in ("http", "https"):
+        from .http import HTTPStorage
+
+        return HTTPStorage.shared(options)
+    from ..errors import ConfigurationError
+
+    raise ConfigurationError(
+        f"'{location}': unsupported storage scheme '{scheme}://'; "
+        "use a local path, file://, gs:// or http(s)://"
+    )
+
+
+def resolve(
+    location: str | object, options: StorageOptions = DEFAULT_OPTIONS
+) -> tuple[Storage, str]:
+    """The back end for `location` and the location in that back end's canonical form."""
+    loc = str(location)
+    storage = storage_for(loc, options)
+    return storage, storage.normalize(loc)

@@ -1,0 +1,152 @@
+"""The storage interface: where checkpoint bytes live, separate from what is written.
+
+A `Storage` works on locations in its own form (a local path for `LocalStorage`, a URL for the
+remote ones). Nothing outside `trainckpt.storage` parses URL schemes; callers get a back end from
+`trainckpt.storage.storage_for(location)`.
+
+Errors: a missing location raises `FileNotFoundError` (ours: `CheckpointNotFoundError`); a
+create-only write onto an existing location raises `FileExistsError` (`CheckpointExistsError`);
+anything else the back end cannot do raises `StorageError`. No SDK exception type escapes.
+
+Rank roles: every method is local to the calling process; the commit protocol (`commit.py`)
+decides which ranks call what.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+
+@dataclass(frozen=True)
+class StorageOptions:
+    """Knobs a `CheckpointerConfig` passes to remote back ends (local storage ignores them)."""
+
+    thread_count: int = 8
+    """Parallel transfers per process."""
+    retry_deadline: float = 300.0
+    """Seconds a request may keep retrying (408/429/5xx, connection errors) before failing."""
+
+
+DEFAULT_OPTIONS = StorageOptions()
+
+
+@dataclass(frozen=True)
+class Listing:
+    """Immediate children of a folder: sub-folder names and file names with sizes."""
+
+    dirs: list[str]
+    files: dict[str, int]
+
+
+class Storage(ABC):
+    """One back end. Instances are cheap, thread-safe and hold no per-checkpoint state."""
+
+    atomic_rename: bool = False
+    """True when a folder can be renamed atomically (local and NFS): saves then write into a
+    `<dir>-tmp` folder and rename it. False for object stores: files go straight to `<dir>/`
+    and the commit record, uploaded last, is the commit."""
+
+    writable: bool = True
+    """False for read-only back ends (HTTP)."""
+
+    supports_listing: bool = True
+    """False where a folder cannot be listed (HTTP): finders refuse with a clear error."""
+
+    # -- paths -------------------------------------------------------------------------------
+    @abstractmethod
+    def join(self, base: str, *parts: str) -> str:
+        """`base` with relative `parts` appended, `/`-separated."""
+
+    def normalize(self, location: str) -> str:
+        """Canonical form of `location` (no trailing slash, `file://` stripped for local)."""
+        return location.rstrip("/") or location
+
+    def parent(self, location: str) -> str:
+        return location.rstrip("/").rsplit("/", 1)[0]
+
+    def name(self, location: str) -> str:
+        return location.rstrip("/").rsplit("/", 1)[-1]
+
+    # -- reading -----------------------------------------------------------------------------
+    @abstractmethod
+    def list_dir(self, location: str) -> Listing:
+        """Immediate children of `location` in one listing. A missing folder raises
+        `FileNotFoundError` (object stores: an empty prefix gives an empty listing)."""
+
+    @abstractmethod
+    def list_files(self, location: str) -> dict[str, int]:
+        """Every file below `location`, as `/`-separated relative path -> size."""
+
+    @abstractmethod
+    def size(self, location: str) -> int:
+        """Size of one file; `FileNotFoundError` when it does not exist."""
+
+    def exists(self, location: str) -> bool:
+        """True when `location` is a file."""
+        try:
+            self.size(location)
+        except FileNotFoundError:
+            return False
+        return True
+
+    @abstractmethod
+    def read_bytes(self, location: str, start: int = 0, end: int | None = None) -> bytes:
+        """Bytes `[start, end)` of a file (the whole file by default)."""
+
+    @abstractmethod
+    def open_read(self, location: str) -> BinaryIO:
+        """A seekable binary reader; remote back ends read byte ranges on demand."""
+
+    @abstractmethod
+    def local_copy(self, location: str, cache_dir: Path) -> Path:
+        """A local path holding the file's bytes: the file itself when local, else a copy
+        downloaded into `cache_dir` (through cached-path for URLs)."""
+
+    # -- writing -----------------------------------------------------------------------------
+    @abstractmethod
+    def write_bytes(self, location: str, data: bytes, *, overwrite: bool = True) -> None:
+        """Write a whole file atomically and durably: readers see the old bytes or the new,
+        never a part. With `overwrite=False` an existing file raises `FileExistsError` and is
+        left as it was (a precondition on object stores, not a check-then-write)."""
+
+    @abstractmethod
+    def upload(self, local: Path, location: str, *, overwrite: bool = True) -> None:
+        """Copy a local file to `location`, durably, with the same rules as `write_bytes`."""
+
+    def upload_many(self, pairs: list[tuple[Path, str]], *, overwrite: bool = True) -> None:
+        """Upload several files (in parallel where the back end can); the first error raises."""
+        for local, location in pairs:
+            self.upload(local, location, overwrite=overwrite)
+
+    @abstractmethod
+    def delete_files(self, locations: Iterable[str]) -> None:
+        """Delete files; missing ones are ignored."""
+
+    def delete_tree(self, location: str, first: Iterable[str] = ()) -> None:
+        """Delete a folder and everything below it. Files named in `first` (relative to
+        `location`) go before the rest, so a commit record disappears before the data it
+        vouches for. A missing folder is ignored."""
+        first = [self.join(location, f) for f in first]
+        self.delete_files(first)
+        try:
+            rest = self.list_files(location)
+        except FileNotFoundError:
+            return
+        self.delete_files(self.join(location, rel) for rel in rest)
+        self._remove_empty_dirs(location)
+
+    def _remove_empty_dirs(self, location: str) -> None:
+        """Remove folders left empty by `delete_tree` (nothing to do on object stores)."""
+
+    # -- local folders (only where `atomic_rename`) ------------------------------------------
+    def local_path(self, location: str) -> Path:
+        """The local path of `location`. Only back ends with `atomic_rename` have one."""
+        raise NotImplementedError(f"{type(self).__name__} has no local paths")
+
+    def rename_dir(self, src: str, dst: str) -> None:
+        """Atomically rename folder `src` to `dst` (which must not exist), durably."""
+        raise NotImplementedError(f"{type(self).__name__} cannot rename folders")
