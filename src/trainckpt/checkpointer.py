@@ -329,6 +329,16 @@ class Checkpointer:
         )
 
     @classmethod
+    def delete(cls, dir: str | os.PathLike) -> None:
+        """Delete a checkpoint folder (committed or not): the commit record first, so a crash
+        midway leaves an uncommitted folder that no finder reports, never a torn checkpoint.
+        A missing folder is ignored. Called on: one rank."""
+        storage, path = resolve(dir)
+        start = time.perf_counter()
+        storage.delete_tree(path, first=[layout.METADATA_FILE])
+        log.info("deleted '%s' in %.2fs", path, time.perf_counter() - start)
+
+    @classmethod
     def read_metadata(cls, dir: str | os.PathLike) -> CheckpointMetadata:
         """The commit record of a checkpoint."""
         storage, path = resolve(dir)
