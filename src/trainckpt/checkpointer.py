@@ -391,9 +391,9 @@ def _serialize_trainer_state(train_state: dict[str, Any], where: str) -> bytes:
             f"trainer state for '{where}' must be a dict, got {type(train_state).__name__}"
         )
     buf = io.BytesIO()
-    torch.save(train_state, buf)
-    data = buf.getvalue()
     try:
+        torch.save(train_state, buf)
+        data = buf.getvalue()
         torch.load(io.BytesIO(data), weights_only=True)
     except Exception as e:
         raise InvalidTrainStateError(

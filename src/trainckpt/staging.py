@@ -57,7 +57,9 @@ class Stager:
             return {k: self._copy(v, f"{path}.{k}", used) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
             items = [self._copy(v, f"{path}.{i}", used) for i, v in enumerate(obj)]
-            return items if isinstance(obj, list) else type(obj)(items)
+            if isinstance(obj, list):
+                return items
+            return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
         return copy.deepcopy(obj)
 
     def _copy_tensor(self, t: torch.Tensor, path: str, used: set[str]) -> torch.Tensor:

@@ -1,0 +1,7 @@
+"""Shared fixtures. Back-end servers live in their own modules; this file stays small."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("NO_GCE_CHECK", "true")  # before google.auth is imported anywhere

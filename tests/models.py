@@ -1,0 +1,60 @@
+"""Small real models and optimizers for tests, with helpers to compare their state."""
+
+from __future__ import annotations
+
+import torch
+
+from trainckpt import ModelAndOptim
+
+
+class TinyNet(torch.nn.Module):
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, width)
+        self.block = torch.nn.Sequential(
+            torch.nn.Linear(width, 2 * width), torch.nn.GELU(), torch.nn.Linear(2 * width, width)
+        )
+        self.norm = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, 64, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        return self.head(self.norm(h + self.block(h)))
+
+
+def make_module(seed: int = 0, steps: int = 2, width: int = 32) -> ModelAndOptim:
+    """A model and AdamW optimizer after `steps` real training steps (so moments exist)."""
+    torch.manual_seed(seed)
+    model = TinyNet(width)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        tokens = torch.randint(0, 64, (4, 8))
+        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+    return ModelAndOptim(model, optim)
+
+
+def fresh_module(seed: int = 123, width: int = 32) -> ModelAndOptim:
+    """A different, untrained model + optimizer of the same shape, to load into."""
+    return make_module(seed=seed, steps=0, width=width)
+
+
+def assert_same_state(a: ModelAndOptim, b: ModelAndOptim, *, optim: bool = True) -> None:
+    """Every model tensor equal; with `optim`, every optimizer state tensor and hyperparameter."""
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), f"model tensor {k} differs"
+    if not optim:
+        return
+    assert a.optim is not None and b.optim is not None
+    oa, ob = a.optim.state_dict(), b.optim.state_dict()
+    assert oa["state"].keys() == ob["state"].keys()
+    for pid in oa["state"]:
+        for k, v in oa["state"][pid].items():
+            assert torch.equal(v, ob["state"][pid][k]), f"optimizer state {pid}.{k} differs"
+    assert [
+        {k: v for k, v in g.items() if k != "params"} for g in oa["param_groups"]
+    ] == [{k: v for k, v in g.items() if k != "params"} for g in ob["param_groups"]]
