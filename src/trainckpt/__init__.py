@@ -3,6 +3,7 @@
 __version__ = "0.1.0"
 
 from .checkpointer import Checkpointer  # noqa: E402
+from .checkpointing import Checkpointing  # noqa: E402
 from .config import CheckpointerConfig  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointError,
@@ -17,6 +18,7 @@ from .errors import (  # noqa: E402
     StorageError,
     UnsafeCheckpointError,
 )
+from .policy import CheckpointPolicy  # noqa: E402
 from .records import CheckpointManifest, CheckpointMetadata  # noqa: E402
 from .train_module import ModelAndOptim, TrainModule  # noqa: E402
 
@@ -26,9 +28,11 @@ __all__ = [
     "CheckpointManifest",
     "CheckpointMetadata",
     "CheckpointNotFoundError",
+    "CheckpointPolicy",
     "CheckpointTimeoutError",
     "Checkpointer",
     "CheckpointerConfig",
+    "Checkpointing",
     "ConfigurationError",
     "CorruptCheckpointError",
     "InvalidTrainStateError",

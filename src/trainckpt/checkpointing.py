@@ -1,0 +1,239 @@
+"""`Checkpointing`: the per-step driver a training loop calls. It asks a `CheckpointPolicy`
+what to save, saves (sync or async, at most one async save in flight), and once a save is
+committed has old checkpoints deleted on a background thread.
+
+Failure rule: a failed save deletes nothing (deletion rounds start only from a committed save),
+is logged when it happens, and is raised as `CheckpointError` by the next call that saves
+(`maybe_save` on a save step, `save`) or by `finish()`, whichever comes first. Raising only at
+save steps keeps ranks in step: every rank decides to save at the same steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from . import dist, layout
+from .checkpointer import Checkpointer
+from .errors import CheckpointError
+from .policy import CheckpointPolicy, SaveKind
+from .records import CheckpointManifest
+from .retention import Remover, scan_folder
+from .storage import resolve
+from .train_module import TrainModule
+
+log = logging.getLogger(__name__)
+
+TrainState = dict[str, Any] | Callable[[], dict[str, Any]]
+"""Trainer state, or a function building it (called only when a checkpoint is saved)."""
+
+
+@dataclass(frozen=True)
+class _Save:
+    step: int
+    path: str
+    kind: SaveKind
+    started: float
+
+
+class Checkpointing:
+    """Drives checkpointing of one training run into `save_folder` (local path or URL).
+
+    Build it on every rank after resuming, then call `maybe_save(step, ...)` after every
+    finished step (and once with step 0 before training, for the pre-train checkpoint), `save`
+    for an explicit checkpoint (end of training, SIGTERM), and `finish()` at the end.
+
+    Called on: all ranks (construction reads the folder on rank 0 and shares what it found).
+    """
+
+    def __init__(
+        self, checkpointer: Checkpointer, policy: CheckpointPolicy, save_folder: str | os.PathLike
+    ) -> None:
+        self.checkpointer = checkpointer
+        self.policy = policy
+        self.save_folder = str(save_folder)
+        self._group = checkpointer.process_group
+        # Rank 0 lists the folder once; every rank gets the same steps, so every rank makes the
+        # same decisions (which steps are already saved, how old the last checkpoint is).
+        steps = dist.run_on_rank0(
+            lambda: {c.step: c.path for c in scan_folder(self.save_folder).committed},
+            f"reading the checkpoints in '{self.save_folder}'",
+            self._group,
+        )
+        self._saved: dict[int, str] = dict(steps)
+        self._last_saved: int | None = None
+        self._started = False
+        self._pending: _Save | None = None
+        self._remover = (
+            Remover(self.save_folder, policy) if dist.get_rank(self._group) == 0 else None
+        )
+        self._finished = False
+
+    # -- per step -------------------------------------------------------------------------------
+    def maybe_save(
+        self, step: int, train_module: TrainModule, train_state: TrainState
+    ) -> str | None:
+        """Save a checkpoint of `step` if the policy asks for one; return its path (committed
+        when sync, in flight when async) or None. Raises `CheckpointError` for an earlier async
+        save that failed.
+
+        Called on: all ranks, after every finished step.
+        """
+        if not self._started:
+            # The newest checkpoint at or before the first step seen (the one resumed from).
+            self._started = True
+            self._last_saved = max((s for s in self._saved if s <= step), default=None)
+        kind = self.policy.decide(step, self._last_saved)
+        if kind is None:
+            return None
+        return self._save(step, train_module, train_state, kind, self.policy.save_async)
+
+    def save(
+        self,
+        step: int,
+        train_module: TrainModule,
+        train_state: TrainState,
+        *,
+        ephemeral: bool = False,
+    ) -> str:
+        """Save a checkpoint of `step` now and wait until it is committed (e.g. at the end of
+        training or on SIGTERM); a step already saved is only waited for. Returns its path.
+
+        Called on: all ranks.
+        """
+        kind = SaveKind.EPHEMERAL if ephemeral else SaveKind.PERMANENT
+        path = self._save(step, train_module, train_state, kind, save_async=False)
+        if self._pending is not None and self._pending.step == step:
+            self._collect_pending()
+        return path
+
+    def finish(self) -> None:
+        """Wait for the in-flight save and every deletion; raise `CheckpointError` for a save
+        not yet reported or a deletion that failed (deletions run on rank 0 only).
+
+        Called on: all ranks.
+        """
+        if self._finished:
+            return
+        self._finished = True
+        try:
+            self._collect_pending()
+        finally:
+            errors = self._remover.wait() if self._remover else []
+            if self._remover:
+                self._remover.close()
+        if errors:
+            raise CheckpointError(
+                f"deleting old checkpoints in '{self.save_folder}' failed ({errors[0]}); no "
+                "checkpoint is torn (commit records go first), but some may remain: delete them "
+                "by hand or let the next run's policy retry"
+            ) from errors[0]
+
+    @property
+    def last_saved_step(self) -> int | None:
+        """Step of the newest checkpoint saved or being saved (None before the first)."""
+        return self._last_saved
+
+    # -- internals ------------------------------------------------------------------------------
+    def _save(
+        self,
+        step: int,
+        train_module: TrainModule,
+        train_state: TrainState,
+        kind: SaveKind,
+        save_async: bool,
+    ) -> str:
+        if self._finished:
+            raise CheckpointError(
+                f"Checkpointing of '{self.save_folder}' is finished; no more saves"
+            )
+        if step in self._saved:
+            log.info(
+                "step %d is already saved at '%s'; not saving it again", step, self._saved[step]
+            )
+            return self._saved[step]
+        self._collect_pending()
+        storage, folder = resolve(self.save_folder)
+        path = storage.join(folder, layout.checkpoint_dirname(step))
+        state = train_state() if callable(train_state) else train_state
+        ephemeral = kind is SaveKind.EPHEMERAL
+        save = _Save(step, path, kind, time.perf_counter())
+        if save_async:
+            future = self.checkpointer.save_async(path, train_module, state, ephemeral=ephemeral)
+            log.info(
+                "checkpoint event: saving %s '%s' in the background (training blocked %.2fs)",
+                kind.value,
+                path,
+                time.perf_counter() - save.started,
+            )
+            self._pending = save
+            future.add_done_callback(lambda f: self._on_done(save, f))
+        else:
+            self.checkpointer.save(path, train_module, state, ephemeral=ephemeral)
+            self._on_committed(save)
+        self._saved[step] = path
+        self._last_saved = step
+        return path
+
+    def _collect_pending(self) -> None:
+        """Wait for the in-flight async save; turn its failure into a `CheckpointError`."""
+        save, self._pending = self._pending, None
+        if save is None:
+            return
+        try:
+            self.checkpointer.wait()
+        except CheckpointError as e:
+            raise CheckpointError(
+                f"the {save.kind.value} checkpoint of step {save.step} to '{save.path}' failed "
+                f"({e.__cause__ or e}); nothing was deleted: the checkpoints already in "
+                f"'{self.save_folder}' are kept. Fix the cause, then resume from the latest one"
+            ) from e
+
+    def _on_done(self, save: _Save, future: Future[str]) -> None:
+        """Runs on the save thread when an async save ends."""
+        error = future.exception()
+        if error is not None:
+            log.error(
+                "checkpoint event: %s checkpoint '%s' failed (%s); earlier checkpoints are kept",
+                save.kind.value,
+                save.path,
+                error,
+            )
+            return
+        self._on_committed(save)
+
+    def _on_committed(self, save: _Save) -> None:
+        """Rank 0: log the commit, then delete (off this thread) what the policy drops."""
+        if self._remover is None:
+            return
+        seconds = time.perf_counter() - save.started
+        self._remover.submit(before=lambda: _log_committed(save, seconds))
+
+
+def _log_committed(save: _Save, seconds: float) -> None:
+    size = _checkpoint_bytes(save.path)
+    rate = f", {size / 1e6:.1f} MB, {size / 1e6 / max(seconds, 1e-9):.1f} MB/s" if size else ""
+    log.info(
+        "checkpoint event: committed %s '%s' in %.2fs%s",
+        save.kind.value,
+        save.path,
+        seconds,
+        rate,
+    )
+
+
+def _checkpoint_bytes(path: str) -> int:
+    """Total size of a committed checkpoint's files, from its manifest (0 if unreadable)."""
+    storage, folder = resolve(path)
+    try:
+        manifest = CheckpointManifest.from_json(
+            storage.read_bytes(storage.join(folder, layout.MANIFEST_FILE)), folder
+        )
+    except (CheckpointError, OSError):
+        return 0
+    return sum(f.size for f in manifest.files.values())
