@@ -5,3 +5,5 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("NO_GCE_CHECK", "true")  # before google.auth is imported anywhere
+
+from servers import gcs_bucket, gcs_server, http_folder, http_server  # noqa: E402,F401

@@ -1,0 +1,301 @@
+"""Google Cloud Storage (`gs://bucket/prefix`) through `google-cloud-storage`.
+
+Every request retries 408/429/5xx and connection errors with exponential backoff, for at most
+`StorageOptions.retry_deadline` seconds. Uploads send the CRC32C computed locally (real GCS
+refuses a body that does not match it) and compare it with the CRC32C the server reports;
+create-only writes use the precondition `if_generation_match=0`, so two writers cannot both
+succeed. Transfers of several files run on `StorageOptions.thread_count` threads and the first
+failure raises. No exception type of the SDK leaves this module.
+
+Credentials come from the usual Google sources (`GOOGLE_APPLICATION_CREDENTIALS`, `gcloud auth
+application-default login`, the metadata server on GCE); `STORAGE_EMULATOR_HOST` points the
+client at an emulator such as fake-gcs-server.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, cast
+
+import requests
+from google.api_core import exceptions as api_exceptions
+from google.auth import exceptions as auth_exceptions
+from google.cloud.storage import exceptions as media_exceptions
+from google.cloud.storage.retry import DEFAULT_RETRY
+
+from ..errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
+from ..records import FileEntry, crc32c_bytes, crc32c_file, crc32c_from_gcs, crc32c_to_gcs
+from .base import Listing, Storage, StorageOptions
+from .download import cached_copy
+from .ranged import RangeReader
+
+if TYPE_CHECKING:
+    from google.cloud.storage import Blob, Bucket, Client
+
+log = logging.getLogger(__name__)
+
+SCHEME = "gs://"
+_EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
+
+
+def split(location: str) -> tuple[str, str]:
+    """`gs://bucket/a/b` -> (`bucket`, `a/b`)."""
+    if not location.startswith(SCHEME):
+        raise StorageError(f"'{location}' is not a gs:// URL")
+    bucket, _, name = location[len(SCHEME) :].partition("/")
+    if not bucket:
+        raise StorageError(f"'{location}' names no bucket; use gs://bucket/prefix")
+    return bucket, name.strip("/")
+
+
+class GCSStorage(Storage):
+    """Objects in GCS buckets. One instance (and one client) per set of options and endpoint."""
+
+    atomic_rename = False
+
+    _shared: ClassVar[dict[tuple[StorageOptions, str | None], GCSStorage]] = {}
+    _shared_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, options: StorageOptions) -> None:
+        self.options = options
+        self.retry = DEFAULT_RETRY.with_delay(initial=0.25, maximum=30.0).with_timeout(
+            options.retry_deadline
+        )
+        self.timeout = (min(30.0, options.retry_deadline), 120.0)
+        """(connect, read) seconds of one request; retries go on until the deadline."""
+        self._client: Client | None = None
+        self._client_lock = threading.Lock()
+
+    @classmethod
+    def shared(cls, options: StorageOptions) -> GCSStorage:
+        """The instance for `options` and the current `STORAGE_EMULATOR_HOST` (a changed
+        emulator address gets a new client)."""
+        key = (options, os.environ.get(_EMULATOR_ENV))
+        with cls._shared_lock:
+            if key not in cls._shared:
+                cls._shared[key] = cls(options)
+            return cls._shared[key]
+
+    @property
+    def client(self) -> Client:
+        """The SDK client, created on first use (anonymous when no credentials are found)."""
+        with self._client_lock:
+            if self._client is None:
+                self._client = _new_client(self.options.thread_count)
+            return self._client
+
+    # -- paths -------------------------------------------------------------------------------
+    def normalize(self, location: str) -> str:
+        bucket, name = split(location)
+        return f"{SCHEME}{bucket}/{name}" if name else f"{SCHEME}{bucket}"
+
+    def join(self, base: str, *parts: str) -> str:
+        return "/".join([base.rstrip("/"), *(p.strip("/") for p in parts if p)])
+
+    def parent(self, location: str) -> str:
+        bucket, name = split(location)
+        return self.normalize(f"{SCHEME}{bucket}/{name.rpartition('/')[0]}")
+
+    def _blob(self, location: str) -> Blob:
+        bucket, name = split(location)
+        if not name:
+            raise CheckpointNotFoundError(f"'{location}' is a bucket, not a file")
+        return self._bucket(bucket).blob(name)
+
+    def _bucket(self, bucket: str) -> Bucket:
+        return self.client.bucket(bucket)
+
+    # -- reading -----------------------------------------------------------------------------
+    def list_dir(self, location: str) -> Listing:
+        bucket, prefix = split(location)
+        prefix = f"{prefix}/" if prefix else ""
+        files: dict[str, int] = {}
+        with _gcs_errors("listing", location, self.options):
+            pages = self.client.list_blobs(
+                bucket, prefix=prefix, delimiter="/", retry=self.retry, timeout=self.timeout
+            )
+            for blob in pages:
+                if blob.name != prefix:
+                    files[blob.name[len(prefix) :]] = int(blob.size or 0)
+            dirs = sorted(p[len(prefix) :].rstrip("/") for p in pages.prefixes)
+        return Listing(dirs=dirs, files=files)
+
+    def list_files(self, location: str) -> dict[str, int]:
+        bucket, prefix = split(location)
+        prefix = f"{prefix}/" if prefix else ""
+        with _gcs_errors("listing", location, self.options):
+            return {
+                blob.name[len(prefix) :]: int(blob.size or 0)
+                for blob in self.client.list_blobs(
+                    bucket, prefix=prefix, retry=self.retry, timeout=self.timeout
+                )
+                if blob.name != prefix
+            }
+
+    def size(self, location: str) -> int:
+        bucket, name = split(location)
+        if not name:
+            raise CheckpointNotFoundError(f"'{location}' is a bucket, not a file")
+        with _gcs_errors("reading", location, self.options):
+            blob = self._bucket(bucket).get_blob(name, retry=self.retry, timeout=self.timeout)
+        if blob is None:
+            raise CheckpointNotFoundError(f"'{location}' does not exist")
+        return int(blob.size or 0)
+
+    def read_bytes(self, location: str, start: int = 0, end: int | None = None) -> bytes:
+        if end is not None and end <= start:
+            self.size(location)  # still raise for a missing file
+            return b""
+        whole = start == 0 and end is None
+        with _gcs_errors("reading", location, self.options):
+            return self._blob(location).download_as_bytes(
+                start=None if whole else start,
+                end=None if end is None else end - 1,
+                checksum="crc32c" if whole else None,
+                retry=self.retry,
+                timeout=self.timeout,
+            )
+
+    def open_read(self, location: str) -> BinaryIO:
+        reader = RangeReader(
+            location, self.size(location), lambda s, e: self.read_bytes(location, s, e)
+        )
+        return cast(BinaryIO, reader)
+
+    def local_copy(self, location: str, cache_dir: Path) -> Path:
+        return cached_copy(location, cache_dir)
+
+    # -- writing -----------------------------------------------------------------------------
+    def write_bytes(self, location: str, data: bytes, *, overwrite: bool = True) -> None:
+        local = FileEntry(size=len(data), crc32c=crc32c_bytes(data))
+        self._upload(location, local, overwrite, lambda blob, **kw: blob.upload_from_string(
+            data, content_type="application/octet-stream", **kw
+        ))
+
+    def upload(self, local: Path, location: str, *, overwrite: bool = True) -> None:
+        entry = crc32c_file(local)
+        self._upload(
+            location, entry, overwrite, lambda blob, **kw: blob.upload_from_filename(
+                str(local), content_type="application/octet-stream", **kw
+            )
+        )
+
+    def upload_many(self, pairs: list[tuple[Path, str]], *, overwrite: bool = True) -> None:
+        self._in_parallel(lambda pair: self.upload(pair[0], pair[1], overwrite=overwrite), pairs)
+
+    def _upload(
+        self, location: str, entry: FileEntry, overwrite: bool, send: Callable[..., None]
+    ) -> None:
+        blob = self._blob(location)
+        blob.crc32c = crc32c_to_gcs(entry.crc32c)  # real GCS refuses a body that differs
+        with _gcs_errors("writing", location, self.options):
+            send(
+                blob,
+                if_generation_match=None if overwrite else 0,
+                checksum=None,  # computed above, once; compared below
+                retry=self.retry,
+                timeout=self.timeout,
+            )
+        reported = crc32c_from_gcs(blob.crc32c) if blob.crc32c else None
+        if reported != entry.crc32c or int(blob.size or 0) != entry.size:
+            raise StorageError(
+                f"'{location}' was corrupted in transfer: sent {entry.size} bytes with CRC32C "
+                f"{entry.crc32c}, GCS stored {blob.size} bytes with CRC32C {reported}; "
+                "retry the save"
+            )
+
+    def delete_files(self, locations: Iterable[str]) -> None:
+        def delete(location: str) -> None:
+            try:
+                with _gcs_errors("deleting", location, self.options):
+                    self._blob(location).delete(retry=self.retry, timeout=self.timeout)
+            except FileNotFoundError:
+                pass
+
+        self._in_parallel(delete, list(locations))
+
+    def _in_parallel(self, fn: Callable[[Any], None], items: list[Any]) -> None:
+        """Run `fn` on every item on `thread_count` threads; the first error raises (and the
+        items not yet started are dropped)."""
+        if len(items) <= 1:
+            for item in items:
+                fn(item)
+            return
+        pool = ThreadPoolExecutor(min(self.options.thread_count, len(items)), "trainckpt-gcs")
+        try:
+            futures = [pool.submit(fn, item) for item in items]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            for f in futures:
+                if f in done and f.exception() is not None:
+                    raise cast(BaseException, f.exception())
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _new_client(thread_count: int) -> Client:
+    from google.cloud import storage
+
+    try:
+        client = storage.Client()
+    except auth_exceptions.DefaultCredentialsError:
+        log.warning(
+            "no Google Cloud credentials found; using anonymous access (public buckets only). "
+            "Set GOOGLE_APPLICATION_CREDENTIALS or run `gcloud auth application-default login`"
+        )
+        client = storage.Client.create_anonymous_client()
+    # One pooled connection per transfer thread (requests keeps 10 by default).
+    adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=max(10, thread_count))
+    client._http.mount("https://", adapter)
+    client._http.mount("http://", adapter)
+    return client
+
+
+@contextmanager
+def _gcs_errors(what: str, location: str, options: StorageOptions) -> Iterator[None]:
+    """Turn SDK and transport errors into ours: missing -> `CheckpointNotFoundError`, failed
+    precondition -> `CheckpointExistsError`, anything else -> `StorageError`."""
+    try:
+        yield
+    except api_exceptions.NotFound as e:
+        if what == "writing":
+            raise StorageError(
+                f"cannot write '{location}': its bucket does not exist or these credentials "
+                "cannot see it; create the bucket or fix the path"
+            ) from e
+        raise CheckpointNotFoundError(f"'{location}' does not exist") from e
+    except api_exceptions.PreconditionFailed as e:
+        raise CheckpointExistsError(
+            f"'{location}' already exists; pass save_overwrite=True to replace it"
+        ) from e
+    except (api_exceptions.Forbidden, api_exceptions.Unauthorized) as e:
+        raise StorageError(
+            f"{what} '{location}' was refused ({e.code}): check the credentials "
+            "(GOOGLE_APPLICATION_CREDENTIALS) and their permissions on the bucket"
+        ) from e
+    except api_exceptions.RetryError as e:
+        cause = e.cause if e.cause is not None else e
+        raise StorageError(
+            f"{what} '{location}' failed: GCS did not answer successfully within "
+            f"retry_deadline={options.retry_deadline:g}s ({type(cause).__name__}: {cause}); "
+            "check that the bucket is reachable, or raise retry_deadline"
+        ) from e
+    except (
+        api_exceptions.GoogleAPIError,
+        auth_exceptions.GoogleAuthError,
+        media_exceptions.InvalidResponse,
+        media_exceptions.DataCorruption,
+        requests.RequestException,
+        ConnectionError,
+        TimeoutError,
+    ) as e:
+        raise StorageError(
+            f"{what} '{location}' failed ({type(e).__name__}: {e}); if the error is transient "
+            "it was retried for up to retry_deadline"
+            f"={options.retry_deadline:g}s"
+        ) from e

@@ -1,0 +1,152 @@
+"""Read-only `http://` and `https://` URLs: published checkpoints loaded from a web server.
+
+Files are read with HEAD (size) and ranged GETs, so DCP fetches only the slices it needs;
+`local_copy` goes through cached-path (keyed by the server's ETag). A web server cannot list a
+folder, so the finders refuse HTTP folders (`supports_listing = False`) and writes are refused.
+Requests retry 408/429/5xx and connection errors with backoff until `retry_deadline`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import BinaryIO, ClassVar, cast
+
+import requests
+
+from ..errors import CheckpointNotFoundError, ConfigurationError, StorageError
+from .base import Listing, Storage, StorageOptions
+from .download import cached_copy
+from .ranged import RangeReader
+
+_RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+
+class HTTPStorage(Storage):
+    """Files served over HTTP(S); read-only, no listing."""
+
+    atomic_rename = False
+    writable = False
+    supports_listing = False
+
+    _shared: ClassVar[dict[StorageOptions, HTTPStorage]] = {}
+    _shared_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, options: StorageOptions) -> None:
+        self.options = options
+        self.session = requests.Session()
+        adapter = requests.adapters.HTTPAdapter(pool_maxsize=max(10, options.thread_count))
+        self.session.mount("http://", adapter)
+        self.session.mount("https://", adapter)
+        self.timeout = (min(30.0, options.retry_deadline), 120.0)
+
+    @classmethod
+    def shared(cls, options: StorageOptions) -> HTTPStorage:
+        with cls._shared_lock:
+            if options not in cls._shared:
+                cls._shared[options] = cls(options)
+            return cls._shared[options]
+
+    def join(self, base: str, *parts: str) -> str:
+        return "/".join([base.rstrip("/"), *(p.strip("/") for p in parts if p)])
+
+    # -- reading -----------------------------------------------------------------------------
+    def list_dir(self, location: str) -> Listing:
+        raise self._no_listing(location)
+
+    def list_files(self, location: str) -> dict[str, int]:
+        raise self._no_listing(location)
+
+    def size(self, location: str) -> int:
+        response = self._request("HEAD", location)
+        length = response.headers.get("Content-Length")
+        if length is None:
+            raise StorageError(
+                f"'{location}': the server sent no Content-Length, so its size is unknown; "
+                "serve the checkpoint from a server that sends it (any static file server)"
+            )
+        return int(length)
+
+    def read_bytes(self, location: str, start: int = 0, end: int | None = None) -> bytes:
+        if end is not None and end <= start:
+            self.size(location)
+            return b""
+        headers = {}
+        if start or end is not None:
+            headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+        response = self._request("GET", location, headers)
+        if response.status_code == 206:
+            return response.content
+        if response.status_code == 416:  # range starts past the end
+            return b""
+        return response.content[start:end]  # a server that ignores Range sends everything
+
+    def open_read(self, location: str) -> BinaryIO:
+        reader = RangeReader(
+            location, self.size(location), lambda s, e: self.read_bytes(location, s, e)
+        )
+        return cast(BinaryIO, reader)
+
+    def local_copy(self, location: str, cache_dir: Path) -> Path:
+        return cached_copy(location, cache_dir)
+
+    def _request(
+        self, method: str, url: str, headers: dict[str, str] | None = None
+    ) -> requests.Response:
+        """One request, retried with backoff on 408/429/5xx and connection errors until
+        `retry_deadline`; 404 raises `CheckpointNotFoundError`, other failures `StorageError`."""
+        deadline = time.monotonic() + self.options.retry_deadline
+        delay = 0.25
+        while True:
+            try:
+                response = self.session.request(
+                    method, url, headers=headers, timeout=self.timeout, allow_redirects=True
+                )
+                problem = f"HTTP {response.status_code}"
+            except (requests.ConnectionError, requests.Timeout) as e:
+                response, problem = None, f"{type(e).__name__}: {e}"
+            if response is not None and response.status_code not in _RETRY_STATUS:
+                break
+            if time.monotonic() + delay > deadline:
+                raise StorageError(
+                    f"{method} '{url}' failed ({problem}) and kept failing for "
+                    f"retry_deadline={self.options.retry_deadline:g}s; check that the server "
+                    "is reachable, or raise retry_deadline"
+                )
+            time.sleep(delay)  # backoff between retries
+            delay = min(delay * 2, 10.0)
+        if response.status_code in (404, 410):
+            raise CheckpointNotFoundError(f"'{url}' does not exist (HTTP {response.status_code})")
+        if response.status_code >= 400 and response.status_code != 416:
+            raise StorageError(
+                f"{method} '{url}' failed with HTTP {response.status_code}; check the URL and "
+                "that the server allows access"
+            )
+        return response
+
+    # -- writing: refused ----------------------------------------------------------------------
+    def write_bytes(self, location: str, data: bytes, *, overwrite: bool = True) -> None:
+        raise self._read_only(location)
+
+    def upload(self, local: Path, location: str, *, overwrite: bool = True) -> None:
+        raise self._read_only(location)
+
+    def delete_files(self, locations: Iterable[str]) -> None:
+        for location in locations:
+            raise self._read_only(location)
+
+    @staticmethod
+    def _read_only(location: str) -> ConfigurationError:
+        return ConfigurationError(
+            f"cannot write to '{location}': http(s):// URLs are read-only; save to a local "
+            "folder or a gs:// bucket instead"
+        )
+
+    @staticmethod
+    def _no_listing(location: str) -> ConfigurationError:
+        return ConfigurationError(
+            f"'{location}' cannot be listed: an http(s):// server does not list folders; pass "
+            "the URL of one checkpoint (e.g. .../step1000) instead of a folder of checkpoints"
+        )

