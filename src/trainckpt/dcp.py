@@ -13,7 +13,7 @@ import io
 import pickle
 import queue
 import warnings
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.filesystem import (
     FileSystemWriter,
     _split_by_size_and_type,
 )
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem, SavePlan, SavePlanner
 
 from . import dist
@@ -236,6 +236,54 @@ def load_state(
             process_group=group,
             no_dist=not dist.is_distributed(),
         )
+
+
+class _ProgressLoadPlanner(_SafeLoadPlanner):
+    """`_SafeLoadPlanner` that reports the bytes of every tensor piece it has loaded."""
+
+    def __init__(self, progress: Callable[[int], None]) -> None:
+        super().__init__()
+        self._progress = progress
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        super().commit_tensor(read_item, tensor)
+        self._progress(tensor.numel() * tensor.element_size())
+
+
+def load_full_state(
+    storage: Storage,
+    folder: str,
+    metadata: Metadata,
+    *,
+    keys_prefix: str = "",
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Every value of the DCP folder `folder` whose key starts with `keys_prefix`, as one flat
+    dict of full (unsharded) CPU tensors and plain values, keyed by DCP's flattened names.
+
+    Consolidates a sharded checkpoint in one process without a process group: the empty
+    tensors are built from `metadata`, then filled by the safe reader. `progress` receives the
+    byte count of each loaded tensor piece (they add up to the tensors' total size).
+    """
+    state: dict[str, Any] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if not key.startswith(keys_prefix):
+            continue
+        if isinstance(md, TensorStorageMetadata):
+            state[key] = torch.empty(md.size, dtype=md.properties.dtype)
+        else:
+            state[key] = None  # a non-tensor value; the planner sets it
+    if not state:
+        return state
+    planner = _SafeLoadPlanner() if progress is None else _ProgressLoadPlanner(progress)
+    with _quiet_single_process():
+        dcp.load(
+            state,
+            storage_reader=_SafeReader(storage, folder, metadata),
+            planner=planner,
+            no_dist=True,
+        )
+    return state
 
 
 @contextmanager

@@ -1,0 +1,7 @@
+"""`python -m trainckpt`: the same command as `trainckpt`."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,370 @@
+"""The `trainckpt` command: look after checkpoint folders between runs.
+
+    trainckpt ls FOLDER            step folders: committed, uncommitted and -tmp leftovers
+    trainckpt latest FOLDER        path of the newest committed checkpoint (exit 1 when none)
+    trainckpt inspect CKPT         records, trainer-state keys, every DCP value
+    trainckpt verify CKPT          sizes (or, with --deep, CRC32C) against the manifest
+    trainckpt prune FOLDER -k N    delete all but the newest N permanent checkpoints
+    trainckpt export CKPT OUT      one safetensors/torch file of the model weights
+
+Exit codes: 0 success; 1 `verify` found problems or `latest` found no checkpoint; 2 the input
+cannot be used (missing path, damaged record, bad option). Errors are one line on stderr naming
+the path and what to do; `--debug` adds the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import sys
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+from tqdm import tqdm
+
+from . import __version__
+from .checkpointer import Checkpointer
+from .errors import CheckpointError, CheckpointNotFoundError
+from .inventory import FolderEntry, age_seconds, describe_checkpoint, scan_folder
+from .prune import apply_prune, plan_prune
+from .storage import resolve
+
+EXIT_OK, EXIT_PROBLEMS, EXIT_UNUSABLE = 0, 1, 2
+
+
+# -- subcommands ---------------------------------------------------------------------------------
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    path, entries = scan_folder(args.folder)
+    if not entries and Checkpointer.dir_is_checkpoint(path):
+        raise CheckpointNotFoundError(
+            f"'{path}' is a checkpoint, not a folder of checkpoints; "
+            f"`trainckpt inspect {path}` shows its contents"
+        )
+    if args.json:
+        print(json.dumps([e.to_json() for e in entries], indent=1))
+        return EXIT_OK
+    if not entries:
+        print(f"no step folders in '{path}'", file=sys.stderr)
+        return EXIT_OK
+    rows = [_ls_row(e) for e in entries]
+    header = ["STEP", "NAME", "KIND", "STATE", "SIZE", "FILES", "AGE", "WORLD", "NOTE"]
+    print(_table(header, rows, right={"STEP", "SIZE", "FILES", "AGE", "WORLD"}))
+    return EXIT_OK
+
+
+def _ls_row(e: FolderEntry) -> list[str]:
+    kind = "-" if e.ephemeral is None else "ephemeral" if e.ephemeral else "permanent"
+    world = str(e.world_size) if e.world_size is not None else "-"
+    return [
+        str(e.step),
+        e.name,
+        kind,
+        e.state,
+        human_size(e.size),
+        str(e.files),
+        human_age(age_seconds(e.created_at)),
+        world,
+        e.note,
+    ]
+
+
+def cmd_latest(args: argparse.Namespace) -> int:
+    storage, path = resolve(args.folder)
+    storage.list_dir(path)  # a missing folder is unusable input (exit 2), not "no checkpoint"
+    try:
+        print(Checkpointer.latest_checkpoint(path))
+    except CheckpointNotFoundError as e:
+        print(f"trainckpt latest: {e}", file=sys.stderr)
+        return EXIT_PROBLEMS
+    return EXIT_OK
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    report = describe_checkpoint(args.ckpt)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=1))
+        return EXIT_OK
+    out: list[str] = [f"checkpoint     {report.path}"]
+    if report.metadata is not None:
+        kind = "ephemeral" if report.metadata.ephemeral else "permanent"
+        out.append(f"commit record  {kind}, written by version {report.metadata.version}")
+    if report.manifest is not None:
+        m = report.manifest
+        size = sum(e.size for e in m.files.values())
+        age = human_age(age_seconds(m.created_at))
+        out.append(
+            f"manifest       format {m.format}, step {m.step}, created {m.created_at} "
+            f"({age} ago), world size {m.world_size}, {len(m.files)} files, {human_size(size)}"
+        )
+    out += [f"note           {n}" for n in report.notes]
+    ranks = len(report.trainer_state_files)
+    out.append(
+        f"trainer state  {ranks} rank file(s); rank 0's keys:" if ranks else "trainer state  none"
+    )
+    out += [f"  {k} = {v}" for k, v in report.trainer_state.items()]
+    groups = ", ".join(f"{g} {human_size(n)}" for g, n in report.bytes_by_group().items())
+    out.append(f"DCP contents   {len(report.values)} values in {report.dcp_folder}: {groups}")
+    rows = [
+        [
+            v.key,
+            v.dtype or "(value)",
+            "x".join(map(str, v.shape)) if v.shape else "-",
+            human_size(v.nbytes) if v.kind == "tensor" else "-",
+        ]
+        for v in report.values
+    ]
+    out.append(_table(["KEY", "DTYPE", "SHAPE", "SIZE"], rows, right={"SIZE"}, indent="  "))
+    print("\n".join(out))
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    verify = getattr(Checkpointer, "verify", None)
+    if verify is None:
+        raise CheckpointError("this trainckpt has no Checkpointer.verify yet; upgrade trainckpt")
+    with _progress_bar(args, "verifying") as progress:
+        report = verify(args.ckpt, deep=args.deep, progress=progress)
+    if report.ok:
+        print(f"ok: {resolve(args.ckpt)[1]} ({'CRC32C' if args.deep else 'sizes'} checked)")
+        return EXIT_OK
+    for problem in report.problems:
+        print(problem)
+    print(f"{len(report.problems)} problem(s) found", file=sys.stderr)
+    return EXIT_PROBLEMS
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    path, entries = scan_folder(args.folder)
+    plan = plan_prune(path, entries, keep_last=args.keep_last, keep_ephemeral=args.keep_ephemeral)
+    for d in plan.decisions:
+        if not d.delete:
+            print(f"keep          {d.entry.name:<16} {d.reason}")
+    verb = "would delete" if args.dry_run else "deleting"
+    for d in plan.decisions:
+        if d.delete:
+            print(f"{verb:<13} {d.entry.name:<16} {d.reason}, {human_size(d.entry.size)}")
+    if not args.dry_run:
+        apply_prune(plan, on_deleted=lambda e: print(f"deleted       {e.name}"))
+    n, size = len(plan.to_delete), human_size(plan.freed_bytes)
+    if args.dry_run:
+        print(f"dry run: would delete {n} folder(s), {size}; nothing was deleted")
+    else:
+        print(f"deleted {n} folder(s), {size}")
+    return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .export import DTYPES, export_checkpoint, format_for
+
+    fmt = format_for(args.out, args.format)
+    with _progress_bar(args, "loading") as progress:
+        result = export_checkpoint(
+            args.ckpt,
+            args.out,
+            fmt=fmt,
+            dtype=DTYPES[args.dtype] if args.dtype else None,
+            model_only=not args.all,
+            overwrite=args.overwrite,
+            work_dir=args.work_dir,
+            progress=progress,
+            on_total=getattr(progress, "set_total", None),
+        )
+    extra = f" and {result.values} plain values" if result.values else ""
+    print(
+        f"wrote {result.out} ({result.format}): {result.tensors} tensors{extra}, "
+        f"{human_size(result.nbytes)}"
+    )
+    return EXIT_OK
+
+
+# -- progress and formatting ---------------------------------------------------------------------
+
+
+class _Progress:
+    """A byte-count callback driving a tqdm bar; `set_total` once the total is known."""
+
+    def __init__(self, bar: tqdm) -> None:
+        self.bar = bar
+
+    def __call__(self, nbytes: int) -> None:
+        self.bar.update(nbytes)
+
+    def set_total(self, total: int) -> None:
+        self.bar.total = total
+        self.bar.refresh()
+
+
+@contextlib.contextmanager
+def _progress_bar(args: argparse.Namespace, desc: str) -> Iterator[_Progress | None]:
+    """A bar on stderr when it is a terminal (or with --progress); none with --no-progress."""
+    if args.progress is False or (args.progress is None and not sys.stderr.isatty()):
+        yield None
+        return
+    with tqdm(desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr) as bar:
+        yield _Progress(bar)
+
+
+def human_size(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def human_age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    for limit, div, unit in ((120, 1, "s"), (7200, 60, "m"), (172800, 3600, "h")):
+        if seconds < limit:
+            return f"{int(seconds // div)}{unit}"
+    return f"{int(seconds // 86400)}d"
+
+
+def _table(header: list[str], rows: list[list[str]], *, right: set[str], indent: str = "") -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def fmt(row: list[str]) -> str:
+        cells = [
+            c.rjust(w) if h in right else c.ljust(w)
+            for c, w, h in zip(row, widths, header, strict=True)
+        ]
+        return (indent + "  ".join(cells)).rstrip()
+
+    return "\n".join(fmt(r) for r in [header, *rows])
+
+
+# -- argument parsing and error handling ---------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    common.add_argument("-v", "--verbose", action="store_true", help="show the library's logs")
+    bar = argparse.ArgumentParser(add_help=False)
+    bar.add_argument(
+        "--progress",
+        dest="progress",
+        action="store_true",
+        default=None,
+        help="show a progress bar even when stderr is not a terminal",
+    )
+    bar.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="never show a progress bar"
+    )
+
+    parser = argparse.ArgumentParser(
+        prog="trainckpt",
+        description="Look after trainckpt (and OLMo-core) checkpoint folders.",
+        parents=[common],
+    )
+    parser.add_argument("--version", action="version", version=f"trainckpt {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(
+        name: str,
+        func: Callable[[argparse.Namespace], int],
+        help: str,
+        parents: Sequence[argparse.ArgumentParser] = (),
+    ) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help, parents=[common, *parents])
+        p.set_defaults(func=func)
+        return p
+
+    p = add("ls", cmd_ls, "list the step folders of a save folder, committed or not")
+    p.add_argument("folder", help="save folder: local path or gs://bucket/prefix")
+    p.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+    p = add("latest", cmd_latest, "print the path of the newest committed checkpoint")
+    p.add_argument("folder", help="save folder: local path or gs://bucket/prefix")
+
+    p = add("inspect", cmd_inspect, "show a checkpoint's records, trainer state and tensors")
+    p.add_argument("ckpt", help="one checkpoint folder (e.g. runs/demo/step1000)")
+    p.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+    p = add("verify", cmd_verify, "check a checkpoint's files against its manifest", [bar])
+    p.add_argument("ckpt", help="one checkpoint folder")
+    p.add_argument("--deep", action="store_true", help="recompute every CRC32C (reads all bytes)")
+
+    p = add(
+        "prune",
+        cmd_prune,
+        "delete all but the newest N permanent checkpoints, and crash leftovers "
+        "(never while a run is saving into the folder)",
+    )
+    p.add_argument("folder", help="save folder: local path or gs://bucket/prefix")
+    p.add_argument(
+        "-k",
+        "--keep-last",
+        type=int,
+        required=True,
+        metavar="N",
+        help="permanent checkpoints to keep (the newest committed one is always kept)",
+    )
+    p.add_argument("--keep-ephemeral", action="store_true", help="keep ephemeral checkpoints")
+    p.add_argument("-n", "--dry-run", action="store_true", help="print what would be deleted")
+
+    p = add(
+        "export", cmd_export, "consolidate a checkpoint into one safetensors or torch file", [bar]
+    )
+    p.add_argument("ckpt", help="one checkpoint folder")
+    p.add_argument("out", help="output file: local path or gs:// URL")
+    p.add_argument(
+        "--format",
+        choices=["safetensors", "torch"],
+        default=None,
+        help="default: torch for .pt/.pth/.bin, else safetensors",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16", "float64"],
+        help="convert floating-point tensors to this dtype",
+    )
+    what = p.add_mutually_exclusive_group()
+    what.add_argument(
+        "--model-only",
+        action="store_true",
+        help="model weights, keys without 'model.' (the default)",
+    )
+    what.add_argument(
+        "--all", action="store_true", help="every value (model and optimizer) with its full key"
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="where the file is assembled before it is published (default: temp)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `trainckpt` and `python -m trainckpt`; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    level = logging.DEBUG if args.debug else logging.INFO if args.verbose else logging.WARNING
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print(f"trainckpt {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # every failure becomes one line; --debug shows where it came from
+        if args.debug:
+            traceback.print_exc()
+        print(f"trainckpt {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_UNUSABLE
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    if isinstance(e, CheckpointError):
+        return text
+    hint = "" if "--debug" in text else " (rerun with --debug for the traceback)"
+    return f"{type(e).__name__}: {text or 'no message'}{hint}"

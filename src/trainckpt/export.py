@@ -1,0 +1,163 @@
+"""`trainckpt export`: consolidate a sharded checkpoint into one safetensors or torch file.
+
+The DCP metadata is read with the allow-list unpickler and every value with
+`weights_only=True` (`dcp.load_full_state`), so exporting an untrusted checkpoint runs none of
+its code. One process, no process group: each tensor is rebuilt at its full size on the CPU.
+The file is written to a temporary file first and published create-only (unless `overwrite`)
+through the storage interface, so OUT can be a local path or an object-store URL.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from .checkpointer import _dcp_folder
+from .dcp import load_full_state, read_dcp_metadata
+from .errors import CheckpointExistsError, CheckpointNotFoundError, ConfigurationError
+from .storage import resolve
+
+log = logging.getLogger(__name__)
+
+ExportFormat = Literal["safetensors", "torch"]
+MODEL_PREFIX = "model."
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What was written: where, how many values, and how many bytes of tensors."""
+
+    out: str
+    format: ExportFormat
+    tensors: int
+    values: int
+    nbytes: int
+
+
+def format_for(out: str, requested: ExportFormat | None) -> ExportFormat:
+    """The requested format, else the one OUT's extension names (`.pt`/`.pth`/`.bin`: torch),
+    else safetensors."""
+    if requested is not None:
+        return requested
+    return "torch" if out.lower().endswith((".pt", ".pth", ".bin")) else "safetensors"
+
+
+def export_checkpoint(
+    ckpt: str,
+    out: str,
+    *,
+    fmt: ExportFormat,
+    dtype: torch.dtype | None = None,
+    model_only: bool = True,
+    overwrite: bool = False,
+    work_dir: Path | None = None,
+    progress: Callable[[int], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
+) -> ExportResult:
+    """Write the values of checkpoint `ckpt` to `out` as one file.
+
+    `model_only` keeps the `model.*` values and strips the prefix, so the file loads into the
+    plain module with `load_state_dict`; otherwise every value keeps its full DCP key. `dtype`
+    converts floating-point tensors only. `on_total` receives the byte count to load before
+    loading starts; `progress` the bytes of each loaded piece.
+    """
+    src_storage, src = resolve(ckpt)
+    dst_storage, dst = resolve(out)
+    if not overwrite and dst_storage.exists(dst):
+        raise CheckpointExistsError(f"'{dst}' already exists; pass --overwrite to replace it")
+    if fmt == "safetensors":
+        _require_safetensors()
+    folder = _dcp_folder(src_storage, src)
+    metadata = read_dcp_metadata(src_storage, folder)
+    prefix = MODEL_PREFIX if model_only else ""
+    if not any(k.startswith(prefix) for k in metadata.state_dict_metadata):
+        raise CheckpointNotFoundError(
+            f"'{src}' holds no '{MODEL_PREFIX}*' values (its keys start with "
+            f"{_top_level_keys(metadata.state_dict_metadata)}); pass --all to export every value"
+        )
+    if on_total is not None:
+        on_total(_tensor_bytes(metadata.state_dict_metadata, prefix))
+    state = load_full_state(src_storage, folder, metadata, keys_prefix=prefix, progress=progress)
+    state = {k[len(prefix) :]: _convert(v, dtype) for k, v in state.items()}
+    if fmt == "safetensors":
+        _check_tensors_only(state, src)
+    with tempfile.TemporaryDirectory(prefix="trainckpt-export-", dir=work_dir) as tmp:
+        local = Path(tmp) / "export"
+        _write(state, local, fmt, src)
+        try:
+            dst_storage.upload(local, dst, overwrite=overwrite)
+        except FileExistsError as e:
+            raise CheckpointExistsError(
+                f"'{dst}' already exists; pass --overwrite to replace it"
+            ) from e
+    tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
+    result = ExportResult(
+        out=dst,
+        format=fmt,
+        tensors=len(tensors),
+        values=len(state) - len(tensors),
+        nbytes=sum(t.numel() * t.element_size() for t in tensors),
+    )
+    log.info("exported %d tensors from '%s' to '%s'", result.tensors, src, dst)
+    return result
+
+
+def _require_safetensors() -> None:
+    try:
+        import safetensors.torch  # noqa: F401
+    except ImportError as e:
+        raise ConfigurationError(
+            "writing safetensors needs the 'safetensors' package: `pip install safetensors`, "
+            "or pass --format torch"
+        ) from e
+
+
+def _top_level_keys(md: dict[str, Any]) -> str:
+    tops = sorted({k.split(".", 1)[0] for k in md})
+    return ", ".join(f"'{t}.'" for t in tops[:5]) or "nothing: it is empty"
+
+
+def _tensor_bytes(md: dict[str, Any], prefix: str) -> int:
+    total = 0
+    for key, m in md.items():
+        if key.startswith(prefix) and isinstance(m, TensorStorageMetadata):
+            total += m.size.numel() * m.properties.dtype.itemsize
+    return total
+
+
+def _convert(value: Any, dtype: torch.dtype | None) -> Any:
+    if dtype is not None and isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.to(dtype)
+    return value
+
+
+def _check_tensors_only(state: dict[str, Any], src: str) -> None:
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise ConfigurationError(
+                f"'{src}': value '{key}' is a {type(value).__name__}, not a tensor, and "
+                "safetensors files hold tensors only; pass --format torch (or export the model "
+                "weights only, without --all)"
+            )
+
+
+def _write(state: dict[str, Any], local: Path, fmt: ExportFormat, src: str) -> None:
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(state, str(local), metadata={"source": src, "format": "pt"})
+    else:
+        torch.save(state, local)
