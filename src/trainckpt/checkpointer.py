@@ -30,6 +30,7 @@ from .records import CheckpointMetadata, FileEntry, crc32c_bytes
 from .staging import Stager
 from .storage import LocalStorage, Storage, StorageOptions, resolve
 from .train_module import TrainModule
+from .upload_turns import run_in_turns
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +185,7 @@ class Checkpointer:
             group=self.process_group,
             fs_timeout=self.fs_timeout,
             work_dir=self.work_dir,
+            upload_turns=run_in_turns(self.process_group) if self.throttle_uploads else None,
         )
 
     def _write_fn(self, state: dict[str, Any], trainer_bytes: bytes):
@@ -241,7 +243,15 @@ class Checkpointer:
 
         metadata = read_dcp_metadata(storage, dcp_folder)
         state = train_module.state_dict_to_load(metadata, optim=load_optim_state)
-        load_state(state, storage, dcp_folder, metadata, group=self.process_group)
+        load_state(
+            state,
+            storage,
+            dcp_folder,
+            metadata,
+            group=self.process_group,
+            download_to=self.work_dir / "download-cache" if self.pre_download else None,
+            thread_count=self.load_thread_count or _default_threads(),
+        )
         train_module.load_state_dict(state)
         log.info("loaded checkpoint '%s' in %.2fs", path, time.perf_counter() - start)
         return trainer_state
