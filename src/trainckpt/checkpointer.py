@@ -26,11 +26,13 @@ from .errors import (
     CorruptCheckpointError,
     InvalidTrainStateError,
 )
+from .faults import fault_point
 from .records import CheckpointMetadata, FileEntry, crc32c_bytes
 from .staging import Stager
 from .storage import LocalStorage, Storage, StorageOptions, resolve
 from .train_module import TrainModule
 from .upload_turns import run_in_turns
+from .verify import Progress, VerifyReport, check_before_load, verify_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +202,7 @@ class Checkpointer:
             except Exception as e:
                 error = e
             dist.agree(error, f"writing trainer state under '{folder}'", group)
+            fault_point("writing-shards")
             entries = {rel: FileEntry(size=len(trainer_bytes), crc32c=crc32c_bytes(trainer_bytes))}
             entries.update(
                 save_state(state, folder / layout.MODEL_DIR, group=group, thread_count=threads)
@@ -236,6 +239,7 @@ class Checkpointer:
         start = time.perf_counter()
         storage, path = resolve(dir, self._storage_options)
         dcp_folder = _dcp_folder(storage, path)
+        check_before_load(storage, path, self.verify_on_load, self.process_group)
 
         trainer_state = None
         if load_trainer_state is not False:
@@ -347,6 +351,53 @@ class Checkpointer:
         start = time.perf_counter()
         storage.delete_tree(path, first=[layout.METADATA_FILE])
         log.info("deleted '%s' in %.2fs", path, time.perf_counter() - start)
+
+    @classmethod
+    def verify(
+        cls, dir: str | os.PathLike, *, deep: bool = False, progress: Progress | None = None
+    ) -> VerifyReport:
+        """Check a checkpoint's files against its manifest: missing, resized or unexpected
+        files and escaping manifest entries; with `deep`, the CRC32C of every byte. `progress`
+        receives byte counts as they are checked. A checkpoint without a manifest (OLMo-core's)
+        is reported ok but `unverifiable`. Raises `CheckpointNotFoundError` for a path that is
+        no folder. Called on: any one process."""
+        storage, path = resolve(dir)
+        return verify_checkpoint(storage, path, deep=deep, progress=progress)
+
+    def find_latest_good(self, dir: str | os.PathLike) -> str | None:
+        """The newest committed checkpoint under `dir` that passes verification (sizes, or
+        every CRC32C with `verify_on_load="full"`), or None when there is none (or no `dir`).
+
+        Rank 0 checks from the newest down; each one that fails is skipped with a warning
+        naming it and the reason. Every rank gets rank 0's answer, so all load the same one.
+        Called on: all ranks.
+        """
+        deep = self.verify_on_load == "full"
+
+        def newest_good() -> str | None:
+            storage, path = resolve(dir, self._storage_options)
+            try:
+                folders = _step_folders(storage, path)
+            except FileNotFoundError:
+                if storage.exists(path):
+                    raise
+                return None
+            for _step, ckpt in reversed(folders):
+                if not is_committed(storage, ckpt):
+                    continue
+                report = verify_checkpoint(storage, ckpt, deep=deep)
+                if report.ok:
+                    return ckpt
+                log.warning(
+                    "skipping checkpoint '%s': it failed verification: %s",
+                    ckpt,
+                    "; ".join(report.problems),
+                )
+            return None
+
+        return dist.run_on_rank0(
+            newest_good, f"finding the newest good checkpoint in '{dir}'", self.process_group
+        )
 
     @classmethod
     def read_metadata(cls, dir: str | os.PathLike) -> CheckpointMetadata:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from . import dist
 from .errors import CheckpointExistsError, CheckpointTimeoutError, SharedFolderError
+from .faults import fault_point
 from .layout import MANIFEST_FILE, METADATA_FILE, tmp_name
 from .records import CheckpointManifest, CheckpointMetadata, FileEntry
 from .storage import Storage
@@ -102,6 +103,7 @@ def _save_by_rename(req: SaveRequest, write: WriteFn) -> str:
 
     # 3. Every rank writes its files into `-tmp`, each fsynced. A failure on any rank stops all.
     entries, error = _run_write(write, storage.local_path(tmp))
+    fault_point("after-shards")
     dist.agree(error, f"writing checkpoint files into '{tmp}'", group)
 
     # 4. Gathering every rank's file list is also the barrier after which all files are durable.
@@ -115,7 +117,9 @@ def _save_by_rename(req: SaveRequest, write: WriteFn) -> str:
             # save_overwrite of a committed checkpoint: the new one is complete; only now
             # does the old one go, commit record first.
             storage.delete_tree(dir, first=[METADATA_FILE])
+        fault_point("before-rename")
         storage.rename_dir(tmp, dir)
+        fault_point("after-rename")
 
     dist.run_on_rank0(commit, f"committing '{dir}'", group)
 
@@ -163,6 +167,7 @@ def _save_to_object_store(req: SaveRequest, write: WriteFn) -> str:
     staging.mkdir(parents=True)
     try:
         entries, error = _run_write(write, staging)
+        fault_point("after-shards")
         dist.agree(error, f"writing checkpoint files into '{staging}'", group)
 
         # 3. Every rank uploads its own files; an upload error on any rank stops all.
@@ -213,7 +218,9 @@ def _write_records(req: SaveRequest, folder: str, parts: list[dict[str, FileEntr
     manifest = CheckpointManifest.merge(
         parts, step=req.step, world_size=dist.get_world_size(req.group)
     )
+    fault_point("before-manifest")
     req.storage.write_bytes(req.storage.join(folder, MANIFEST_FILE), manifest.to_json())
+    fault_point("before-commit-record")
     req.storage.write_bytes(
         req.storage.join(folder, METADATA_FILE),
         CheckpointMetadata(ephemeral=req.ephemeral).to_json(),

@@ -22,6 +22,7 @@ from typing import IO, Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import (
     FileSystemBase,
@@ -33,7 +34,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torch.distributed.checkpoint.planner import ReadItem, SavePlan, SavePlanner
 
 from . import dist
-from .errors import CorruptCheckpointError, UnsafeCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, StorageError, UnsafeCheckpointError
 from .layout import DCP_METADATA_FILE
 from .records import FileEntry, crc32c_file
 from .storage import Storage
@@ -78,7 +79,7 @@ def save_state(
     Called on: all ranks (DCP plans collectively; rank 0 also writes `.metadata`).
     """
     writer = _RecordingWriter(folder, thread_count=thread_count)
-    with _quiet_single_process():
+    with _quiet_single_process(), _plain_errors(f"writing DCP state into '{folder}'", StorageError):
         dcp.save(
             state, storage_writer=writer, process_group=group, no_dist=not dist.is_distributed()
         )
@@ -228,7 +229,8 @@ def load_state(
 
     Called on: all ranks (DCP plans collectively).
     """
-    with _quiet_single_process():
+    what = f"loading DCP state from '{folder}'"
+    with _quiet_single_process(), _plain_errors(what, CheckpointError):
         dcp.load(
             state,
             storage_reader=_SafeReader(storage, folder, metadata),
@@ -292,3 +294,22 @@ def _quiet_single_process() -> Generator[None, None, None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+@contextmanager
+def _plain_errors(what: str, fallback: type[CheckpointError]) -> Generator[None, None, None]:
+    """DCP reports failures as `CheckpointException`, a `BaseException` that `except Exception`
+    (and so a trainer's error handling) misses. Re-raise our own error found inside it, else
+    wrap the first failure in `fallback`, naming the ranks and what failed."""
+    try:
+        yield
+    except CheckpointException as e:
+        failures = [exc for exc, _trace in e.failures.values()]
+        ours = next((f for f in failures if isinstance(f, CheckpointError)), None)
+        if ours is not None:
+            raise ours from e
+        first = failures[0] if failures else e
+        raise fallback(
+            f"{what} failed on rank(s) {sorted(e.failures)}: {type(first).__name__}: {first}. "
+            "If the model matches the checkpoint, check the checkpoint's files with "
+            "Checkpointer.verify(path, deep=True)"
+        ) from first

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from ..faults import fault_point
+
 
 @dataclass(frozen=True)
 class StorageOptions:
@@ -132,6 +134,7 @@ class Storage(ABC):
         vouches for. A missing folder is ignored."""
         first = [self.join(location, f) for f in first]
         self.delete_files(first)
+        fault_point("during-delete")
         try:
             rest = self.list_files(location)
         except FileNotFoundError:

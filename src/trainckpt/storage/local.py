@@ -78,7 +78,7 @@ class LocalStorage(Storage):
     def size(self, location: str) -> int:
         try:
             st = os.stat(location)
-        except FileNotFoundError as e:
+        except (FileNotFoundError, NotADirectoryError) as e:
             raise CheckpointNotFoundError(f"'{location}' does not exist") from e
         if not os.path.isfile(location):
             raise CheckpointNotFoundError(f"'{location}' is not a file")
@@ -89,7 +89,7 @@ class LocalStorage(Storage):
             with open(location, "rb") as f:
                 f.seek(start)
                 return f.read() if end is None else f.read(end - start)
-        except FileNotFoundError as e:
+        except (FileNotFoundError, NotADirectoryError) as e:
             raise CheckpointNotFoundError(f"'{location}' does not exist") from e
         except IsADirectoryError as e:
             raise CheckpointNotFoundError(f"'{location}' is a folder, not a file") from e
@@ -97,7 +97,7 @@ class LocalStorage(Storage):
     def open_read(self, location: str) -> BinaryIO:
         try:
             return open(location, "rb")
-        except FileNotFoundError as e:
+        except (FileNotFoundError, NotADirectoryError) as e:
             raise CheckpointNotFoundError(f"'{location}' does not exist") from e
 
     def local_copy(self, location: str, cache_dir: Path) -> Path:

@@ -1,0 +1,264 @@
+"""Checking a checkpoint's files against its `.manifest.json`.
+
+`verify_checkpoint` compares one listing of the folder with the manifest: missing, resized and
+unexpected files, manifest entries that escape the folder (reported, never opened) and, when
+`deep`, the CRC32C of every byte. A checkpoint without a manifest (written by OLMo-core) or a bare
+DCP folder is valid but unverifiable. `check_before_load` is the collective form `load` uses.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import google_crc32c
+
+from . import dist
+from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .layout import DCP_METADATA_FILE, MANIFEST_FILE, METADATA_FILE, MODEL_DIR, is_safe_relpath
+from .records import CheckpointManifest, CheckpointMetadata, FileEntry
+from .storage import Storage
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int], None]
+"""Receives byte counts as files are checked (sizes when shallow, bytes read when deep)."""
+
+_CHUNK = 8 * 1024 * 1024
+_RECORDS = (METADATA_FILE, MANIFEST_FILE)
+
+
+@dataclass
+class VerifyReport:
+    """What `Checkpointer.verify` found. `ok` means no problem; `unverifiable` means there was
+    no manifest to check the files against (OLMo-core checkpoints, bare DCP folders)."""
+
+    path: str
+    deep: bool = False
+    problems: list[str] = field(default_factory=list)
+    unverifiable: bool = False
+    files_checked: int = 0
+    bytes_checked: int = 0
+    manifest: CheckpointManifest | None = field(default=None, repr=False)
+    """The manifest the files were checked against, when there is a readable one."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def __str__(self) -> str:
+        if self.problems:
+            return f"'{self.path}' has {len(self.problems)} problem(s):\n  " + "\n  ".join(
+                self.problems
+            )
+        if self.unverifiable:
+            return f"'{self.path}' is valid but unverifiable: it has no {MANIFEST_FILE}"
+        how = "sizes and CRC32C" if self.deep else "sizes"
+        return f"'{self.path}' is ok ({self.files_checked} files, {how} checked)"
+
+    def raise_if_bad(self) -> None:
+        """Raise `CorruptCheckpointError` naming every problem, if there is any."""
+        if self.problems:
+            raise CorruptCheckpointError(
+                f"checkpoint {self}\nThe checkpoint is damaged: load an older one "
+                "(Checkpointer.find_latest_good) or restore it from a copy"
+            )
+
+
+def verify_checkpoint(
+    storage: Storage,
+    path: str,
+    *,
+    deep: bool = False,
+    progress: Progress | None = None,
+    thread_count: int = 4,
+) -> VerifyReport:
+    """Check the checkpoint folder `path` against its manifest. Reads one listing and the two
+    JSON records; with `deep`, every byte too. Raises `CheckpointNotFoundError` only when
+    `path` is not a folder; everything wrong inside it is a problem in the report."""
+    report = VerifyReport(path=path, deep=deep)
+    manifest = report.manifest = _read_records(storage, path, report)
+    if manifest is None:
+        return report
+    listing = _listing(storage, path, manifest)
+    to_hash: list[tuple[str, FileEntry]] = []
+    for rel, entry in manifest.files.items():
+        where = storage.join(path, rel) if is_safe_relpath(rel) else rel
+        if not is_safe_relpath(rel):
+            report.problems.append(
+                f"manifest entry '{rel}' escapes the checkpoint folder; it was not opened "
+                "(the manifest is damaged or was tampered with)"
+            )
+        elif rel in _RECORDS:
+            report.problems.append(
+                f"manifest entry '{rel}' names a commit record, which a manifest never lists "
+                "(the manifest is damaged or was tampered with)"
+            )
+        elif rel not in listing:
+            report.problems.append(f"'{where}' is missing (the manifest lists it)")
+        elif listing[rel] != entry.size:
+            report.problems.append(
+                f"'{where}' has {listing[rel]} bytes, the manifest says {entry.size} "
+                "(truncated or overwritten)"
+            )
+        else:
+            to_hash.append((rel, entry))
+    for rel in sorted(set(listing) - set(manifest.files) - set(_RECORDS)):
+        report.problems.append(
+            f"'{storage.join(path, rel)}' is not in the manifest (an unexpected file)"
+        )
+    report.files_checked = len(to_hash)
+    report.bytes_checked = sum(e.size for _, e in to_hash)
+    if deep:
+        report.problems += check_crcs(storage, path, to_hash, progress, thread_count)
+    elif progress is not None and report.bytes_checked:
+        progress(report.bytes_checked)
+    return report
+
+
+def _read_records(storage: Storage, path: str, report: VerifyReport) -> CheckpointManifest | None:
+    """The manifest, or None after noting why the files cannot be checked against one."""
+    meta_at, manifest_at = storage.join(path, METADATA_FILE), storage.join(path, MANIFEST_FILE)
+    try:
+        CheckpointMetadata.from_json(storage.read_bytes(meta_at), meta_at)
+    except CorruptCheckpointError as e:
+        report.problems.append(str(e))
+    except FileNotFoundError:
+        if _is_bare_dcp(storage, path):
+            report.unverifiable = True
+        else:
+            _require_folder(storage, path)
+            report.problems.append(
+                f"'{meta_at}' is missing: '{path}' is not a committed checkpoint "
+                "(an interrupted save leaves such a folder; the next save of that step clears it)"
+            )
+        return None
+    try:
+        return CheckpointManifest.from_json(storage.read_bytes(manifest_at), manifest_at)
+    except CorruptCheckpointError as e:
+        report.problems.append(str(e))
+        return None
+    except FileNotFoundError:
+        report.unverifiable = True
+        dcp_md = storage.join(path, MODEL_DIR, DCP_METADATA_FILE)
+        if not storage.exists(dcp_md):
+            report.problems.append(f"'{dcp_md}' is missing: the checkpoint has no model state")
+        return None
+
+
+def _is_bare_dcp(storage: Storage, path: str) -> bool:
+    return storage.exists(storage.join(path, DCP_METADATA_FILE))
+
+
+def _require_folder(storage: Storage, path: str) -> None:
+    """Raise a clear `CheckpointNotFoundError` when `path` is no folder at all."""
+    if storage.exists(path):
+        raise CheckpointNotFoundError(
+            f"'{path}' is a file, not a checkpoint folder: pass a step folder such as "
+            f"'{storage.parent(path)}/step1000'"
+        )
+    try:
+        listing = storage.list_dir(path) if storage.supports_listing else None
+    except FileNotFoundError as e:
+        raise CheckpointNotFoundError(
+            f"'{path}' does not exist: check the path, or use "
+            "Checkpointer.latest_checkpoint(folder) to find a checkpoint"
+        ) from e
+    if listing is not None and not listing.dirs and not listing.files:
+        raise CheckpointNotFoundError(
+            f"'{path}' does not exist or is empty: check the path, or use "
+            "Checkpointer.latest_checkpoint(folder) to find a checkpoint"
+        )
+
+
+def _listing(storage: Storage, path: str, manifest: CheckpointManifest) -> dict[str, int]:
+    """Relative path -> size of the folder's files: one listing, or one size query per manifest
+    entry where the back end cannot list (HTTP; unexpected files then go unnoticed)."""
+    if storage.supports_listing:
+        return storage.list_files(path)
+    sizes: dict[str, int] = {}
+    for rel in manifest.files:
+        if is_safe_relpath(rel):
+            try:
+                sizes[rel] = storage.size(storage.join(path, rel))
+            except FileNotFoundError:
+                pass
+    return sizes
+
+
+def check_crcs(
+    storage: Storage,
+    path: str,
+    files: list[tuple[str, FileEntry]],
+    progress: Progress | None = None,
+    thread_count: int = 4,
+) -> list[str]:
+    """Recompute the CRC32C of each file (relative to `path`); one problem per mismatch."""
+    lock = threading.Lock()
+
+    def report_bytes(n: int) -> None:
+        if progress is not None:
+            with lock:
+                progress(n)
+
+    def check(item: tuple[str, FileEntry]) -> str | None:
+        rel, entry = item
+        where = storage.join(path, rel)
+        try:
+            crc, size = _crc32c(storage, where, report_bytes)
+        except FileNotFoundError:
+            return f"'{where}' is missing (it disappeared while being checked)"
+        if (crc, size) != (entry.crc32c, entry.size):
+            return (
+                f"'{where}' is corrupt: CRC32C {crc} over {size} bytes, the manifest says "
+                f"{entry.crc32c} over {entry.size}"
+            )
+        return None
+
+    if not files:
+        return []
+    with ThreadPoolExecutor(max(1, min(thread_count, len(files)))) as pool:
+        return [p for p in pool.map(check, files) if p is not None]
+
+
+def _crc32c(storage: Storage, where: str, progress: Progress) -> tuple[str, int]:
+    crc = google_crc32c.Checksum()
+    size = 0
+    with storage.open_read(where) as f:
+        while chunk := f.read(_CHUNK):
+            crc.update(chunk)
+            size += len(chunk)
+            progress(len(chunk))
+    return crc.digest().hex(), size
+
+
+def check_before_load(
+    storage: Storage, path: str, level: str, group: dist.ProcessGroup | None
+) -> None:
+    """Refuse to load a checkpoint whose files do not match its manifest.
+
+    `size`: rank 0 compares one listing with the manifest and tells every rank the outcome.
+    `full`: after that, every rank recomputes the CRC32C of its share of the files and all
+    ranks agree on the result. Raises `CorruptCheckpointError` on every rank, naming the files.
+    Called on: all ranks.
+    """
+    if level == "none":
+        return
+    report = dist.run_on_rank0(
+        lambda: verify_checkpoint(storage, path), f"checking '{path}' before loading", group
+    )
+    report.raise_if_bad()
+    if report.unverifiable:
+        log.info("'%s' has no %s; loading it without checking its files", path, MANIFEST_FILE)
+        return
+    if level != "full":
+        return
+    assert report.manifest is not None  # a readable manifest, or the report had a problem
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    mine = sorted(report.manifest.files.items())[rank::world]
+    problems = check_crcs(storage, path, mine)
+    everyone = [p for part in dist.all_gather_object(problems, group) for p in part]
+    VerifyReport(path=path, deep=True, problems=sorted(everyone)).raise_if_bad()

@@ -1,0 +1,54 @@
+"""Helpers for the integrity tests: damage a checkpoint on purpose, rewrite its manifest the way
+an attacker would, and a pickle that would run a command if anything unpickled it unsafely."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import google_crc32c
+
+
+class RunsCommand:
+    """Unpickling this runs `touch <marker>`: a stand-in for any command a checkpoint could run."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (os.system, (f"touch '{self.marker}'",))
+
+
+def shards(ckpt: Path) -> list[Path]:
+    """The DCP shard files of a checkpoint, largest first."""
+    return sorted((ckpt / "model_and_optim").glob("*.distcp"), key=lambda p: -p.stat().st_size)
+
+
+def flip_byte(path: Path, offset: int | None = None) -> None:
+    """Invert one byte in the middle of `path` (the size stays the same)."""
+    data = bytearray(path.read_bytes())
+    i = len(data) // 2 if offset is None else offset
+    data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path, keep: int | None = None) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2 if keep is None else keep])
+
+
+def read_manifest(ckpt: Path) -> dict:
+    return json.loads((ckpt / ".manifest.json").read_text())
+
+
+def write_manifest(ckpt: Path, manifest: dict) -> None:
+    (ckpt / ".manifest.json").write_text(json.dumps(manifest))
+
+
+def rerecord(ckpt: Path, rel: str) -> None:
+    """Make the manifest agree with the current bytes of `rel`, as a careful attacker would."""
+    data = (ckpt / rel).read_bytes()
+    manifest = read_manifest(ckpt)
+    manifest["files"][rel] = {"size": len(data), "crc32c": f"{google_crc32c.value(data):08x}"}
+    write_manifest(ckpt, manifest)
