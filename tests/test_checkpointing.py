@@ -14,9 +14,9 @@ from models import make_module
 from multiproc import run_ranks
 
 from trainckpt import (
-    CheckpointError,
     Checkpointer,
     CheckpointerConfig,
+    CheckpointError,
     Checkpointing,
     CheckpointPolicy,
     ModelAndOptim,
