@@ -6,4 +6,5 @@ import os
 
 os.environ.setdefault("NO_GCE_CHECK", "true")  # before google.auth is imported anywhere
 
+from s3_server import s3_bucket, s3_proxy, s3_server  # noqa: E402,F401
 from servers import gcs_bucket, gcs_server, http_folder, http_server  # noqa: E402,F401

@@ -11,7 +11,8 @@ _LOCAL = LocalStorage()
 
 
 def storage_for(location: str, options: StorageOptions = DEFAULT_OPTIONS) -> Storage:
-    """The back end that serves `location` (a local path, `file://`, `gs://`, `http(s)://`)."""
+    """The back end that serves `location` (a local path, `file://`, `gs://`, `s3://`,
+    `http(s)://`)."""
     scheme = location.split("://", 1)[0].lower() if "://" in location else ""
     if scheme in ("", "file"):
         return _LOCAL
@@ -23,11 +24,15 @@ def storage_for(location: str, options: StorageOptions = DEFAULT_OPTIONS) -> Sto
         from .http import HTTPStorage
 
         return HTTPStorage.shared(options)
+    if scheme == "s3":
+        from .s3 import S3Storage
+
+        return S3Storage.shared(options)
     from ..errors import ConfigurationError
 
     raise ConfigurationError(
         f"'{location}': unsupported storage scheme '{scheme}://'; "
-        "use a local path, file://, gs:// or http(s)://"
+        "use a local path, file://, gs://, s3:// or http(s)://"
     )
 
 

@@ -1,0 +1,537 @@
+"""Amazon S3 and S3-compatible stores (`s3://bucket/prefix`: AWS, Cloudflare R2, MinIO, WEKA)
+through `boto3` (the `trainckpt[s3]` extra, imported only when an `s3://` path is used).
+
+Endpoint, region, profile and credentials come from boto3's standard sources: the variables
+`AWS_ENDPOINT_URL_S3` (or `AWS_ENDPOINT_URL`), `AWS_REGION`, `AWS_PROFILE`,
+`AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY`, and `~/.aws/config` (where `addressing_style =
+path` and `request_checksum_calculation` are set for stores that need them). With no credentials
+at all, requests go unsigned (public buckets), as cached-path does.
+
+Every request retries throttling (503 SlowDown, 429) and 5xx answers and connection errors with
+exponential backoff, for at most `StorageOptions.retry_deadline` seconds, in one loop of ours
+(botocore's own retries are off, so the deadline is the only bound). Create-only writes send
+`If-None-Match: *`, so two writers cannot both succeed. Large files go up in multipart uploads
+whose parts are sent in parallel; listings follow continuation tokens (S3 pages at 1,000 keys);
+deletes go in `DeleteObjects` batches of 1,000 keys. No exception type of boto3 leaves here.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, TypeVar, cast
+
+from ..errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
+from .base import Listing, Storage, StorageOptions
+from .download import cached_copy
+from .ranged import RangeReader
+
+if TYPE_CHECKING:
+    from botocore.client import BaseClient
+
+log = logging.getLogger(__name__)
+
+SCHEME = "s3://"
+MiB = 1024 * 1024
+DELETE_BATCH = 1000
+"""Most keys one `DeleteObjects` request may name (an S3 limit)."""
+MAX_PARTS = 10_000
+"""Most parts one multipart upload may have (an S3 limit)."""
+MIN_PART_SIZE = 5 * MiB
+"""Smallest part but the last that S3 accepts."""
+
+_RETRY_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "TooManyRequests",
+        "RequestLimitExceeded",
+        "RequestTimeout",
+        "InternalError",
+        "ServiceUnavailable",
+        "ConditionalRequestConflict",  # 409: a concurrent conditional write; S3 says retry
+    }
+)
+_RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+_NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
+
+T = TypeVar("T")
+
+
+def split(location: str) -> tuple[str, str]:
+    """`s3://bucket/a/b` -> (`bucket`, `a/b`)."""
+    if not location.startswith(SCHEME):
+        raise StorageError(f"'{location}' is not an s3:// URL")
+    bucket, _, key = location[len(SCHEME) :].partition("/")
+    if not bucket:
+        raise StorageError(f"'{location}' names no bucket; use s3://bucket/prefix")
+    return bucket, key.strip("/")
+
+
+class S3Storage(Storage):
+    """Objects in S3 buckets. One instance (and one client) per set of options and endpoint."""
+
+    atomic_rename = False
+
+    _shared: ClassVar[dict[tuple[StorageOptions, str | None], S3Storage]] = {}
+    _shared_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(
+        self,
+        options: StorageOptions,
+        *,
+        multipart_threshold: int = 64 * MiB,
+        part_size: int = 32 * MiB,
+    ) -> None:
+        """`multipart_threshold`: files at least this large go up in parts of `part_size`
+        (raised when needed to stay within S3's 10,000 parts)."""
+        if part_size < MIN_PART_SIZE:
+            raise ValueError(f"part_size must be at least {MIN_PART_SIZE} bytes (S3's minimum)")
+        self.options = options
+        self.multipart_threshold = multipart_threshold
+        self.part_size = part_size
+        self._client: BaseClient | None = None
+        self._client_lock = threading.Lock()
+
+    @classmethod
+    def shared(cls, options: StorageOptions) -> S3Storage:
+        """The instance for `options` and the current endpoint variables (a changed endpoint
+        gets a new client)."""
+        if importlib.util.find_spec("boto3") is None:
+            from ..errors import ConfigurationError
+
+            raise ConfigurationError(
+                "s3:// paths need boto3, which is not installed: pip install 'trainckpt[s3]'"
+            )
+        key = (options, _endpoint_from_env())
+        with cls._shared_lock:
+            if key not in cls._shared:
+                cls._shared[key] = cls(options)
+            return cls._shared[key]
+
+    @property
+    def client(self) -> BaseClient:
+        """The boto3 client, created on first use (boto3 clients are thread-safe)."""
+        with self._client_lock:
+            if self._client is None:
+                self._client = _new_client(self.options)
+            return self._client
+
+    # -- paths -------------------------------------------------------------------------------
+    def normalize(self, location: str) -> str:
+        bucket, key = split(location)
+        return f"{SCHEME}{bucket}/{key}" if key else f"{SCHEME}{bucket}"
+
+    def join(self, base: str, *parts: str) -> str:
+        return "/".join([base.rstrip("/"), *(p.strip("/") for p in parts if p)])
+
+    def parent(self, location: str) -> str:
+        bucket, key = split(location)
+        return self.normalize(f"{SCHEME}{bucket}/{key.rpartition('/')[0]}")
+
+    def _object(self, location: str) -> tuple[str, str]:
+        bucket, key = split(location)
+        if not key:
+            raise CheckpointNotFoundError(f"'{location}' is a bucket, not a file")
+        return bucket, key
+
+    # -- reading -----------------------------------------------------------------------------
+    def list_dir(self, location: str) -> Listing:
+        dirs: list[str] = []
+        files: dict[str, int] = {}
+        prefix = _folder_prefix(location)
+        for page in self._pages(location, delimiter="/"):
+            for common in page.get("CommonPrefixes", []):
+                dirs.append(common["Prefix"][len(prefix) :].rstrip("/"))
+            for obj in page.get("Contents", []):
+                if obj["Key"] != prefix:  # a "folder marker" object some tools create
+                    files[obj["Key"][len(prefix) :]] = int(obj["Size"])
+        return Listing(dirs=sorted(dirs), files=files)
+
+    def list_files(self, location: str) -> dict[str, int]:
+        prefix = _folder_prefix(location)
+        return {
+            obj["Key"][len(prefix) :]: int(obj["Size"])
+            for page in self._pages(location)
+            for obj in page.get("Contents", [])
+            if obj["Key"] != prefix and not obj["Key"].endswith("/")
+        }
+
+    def _pages(self, location: str, delimiter: str = "") -> Iterator[dict[str, Any]]:
+        """Every page of `ListObjectsV2` below `location`, following continuation tokens;
+        each page is one retried request."""
+        bucket, _ = split(location)
+        args: dict[str, Any] = {"Bucket": bucket, "Prefix": _folder_prefix(location)}
+        if delimiter:
+            args["Delimiter"] = delimiter
+        while True:
+            page: dict[str, Any] = self._call(
+                "listing", location, functools.partial(self.client.list_objects_v2, **args)
+            )
+            yield page
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
+            args = {**args, "ContinuationToken": token}
+
+    def size(self, location: str) -> int:
+        bucket, key = self._object(location)
+        head = self._call(
+            "reading", location, lambda: self.client.head_object(Bucket=bucket, Key=key)
+        )
+        return int(head["ContentLength"])
+
+    def read_bytes(self, location: str, start: int = 0, end: int | None = None) -> bytes:
+        bucket, key = self._object(location)
+        if end is not None and end <= start:
+            self.size(location)  # still raise for a missing file
+            return b""
+        args: dict[str, Any] = {"Bucket": bucket, "Key": key}
+        if start or end is not None:
+            args["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+
+        def get() -> bytes:
+            body = self.client.get_object(**args)["Body"]
+            try:
+                return cast(bytes, body.read())
+            finally:
+                body.close()
+
+        try:
+            return self._call("reading", location, get)
+        except _RangeNotSatisfiable:
+            return b""  # `start` at or past the end of the file, as a local read gives
+
+    def open_read(self, location: str) -> BinaryIO:
+        reader = RangeReader(
+            location, self.size(location), lambda s, e: self.read_bytes(location, s, e)
+        )
+        return cast(BinaryIO, reader)
+
+    def local_copy(self, location: str, cache_dir: Path) -> Path:
+        self._object(location)
+        return cached_copy(location, cache_dir)
+
+    # -- writing -----------------------------------------------------------------------------
+    def write_bytes(self, location: str, data: bytes, *, overwrite: bool = True) -> None:
+        self._put(location, data, overwrite)
+
+    def upload(self, local: Path, location: str, *, overwrite: bool = True) -> None:
+        size = os.path.getsize(local)
+        if size < self.multipart_threshold:
+            self._put(location, Path(local), overwrite)
+        else:
+            self._upload_multipart(Path(local), size, location, overwrite)
+
+    def upload_many(self, pairs: list[tuple[Path, str]], *, overwrite: bool = True) -> None:
+        """Small files go up in parallel, one request each; large ones one after the other,
+        each with its parts in parallel: at most `thread_count` requests run at once."""
+        small = [p for p in pairs if os.path.getsize(p[0]) < self.multipart_threshold]
+        large = [p for p in pairs if p not in small]
+        self._in_parallel(lambda pair: self.upload(*pair, overwrite=overwrite), small)
+        for local, location in large:
+            self.upload(local, location, overwrite=overwrite)
+
+    def _put(self, location: str, source: bytes | Path, overwrite: bool) -> None:
+        """One `PutObject` of bytes or a local file, create-only (`If-None-Match: *`) unless
+        `overwrite`."""
+        bucket, key = self._object(location)
+        args: dict[str, Any] = {"Bucket": bucket, "Key": key}
+        if not overwrite:
+            args["IfNoneMatch"] = "*"
+        attempts = 0
+
+        def put() -> None:
+            nonlocal attempts
+            attempts += 1
+            if isinstance(source, bytes):
+                self.client.put_object(Body=source, **args)
+                return
+            with open(source, "rb") as f:  # reopened per attempt: a retry sends it all again
+                self.client.put_object(Body=f, **args)
+
+        try:
+            self._call("writing", location, put)
+        except CheckpointExistsError:
+            if attempts > 1 and self._etag(location) == _md5(source):
+                # An earlier attempt stored these very bytes but its answer was lost; the
+                # retry then found its own object.
+                return
+            raise
+
+    def _etag(self, location: str) -> str:
+        bucket, key = self._object(location)
+        head = self._call(
+            "reading", location, lambda: self.client.head_object(Bucket=bucket, Key=key)
+        )
+        return str(head.get("ETag", "")).strip('"')
+
+    def _upload_multipart(self, local: Path, size: int, location: str, overwrite: bool) -> None:
+        """Create, send parts in parallel, complete (create-only unless `overwrite`); abort on
+        any failure so no invisible parts are left to pay for."""
+        bucket, key = self._object(location)
+        part_size = max(self.part_size, -(-size // MAX_PARTS))
+        checksum = self.client.meta.config.request_checksum_calculation == "when_supported"
+        create: dict[str, Any] = {"Bucket": bucket, "Key": key}
+        if checksum:
+            create["ChecksumAlgorithm"] = "CRC32"  # S3 checks each part, as boto3's uploads do
+        upload_id = self._call(
+            "writing", location, lambda: self.client.create_multipart_upload(**create)
+        )["UploadId"]
+        parts: list[dict[str, Any]] = [{} for _ in range(-(-size // part_size))]
+
+        def send(number: int) -> None:
+            def upload_part() -> dict[str, Any]:
+                with open(local, "rb") as f:
+                    f.seek((number - 1) * part_size)
+                    data = f.read(part_size)
+                return self.client.upload_part(
+                    Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=data
+                )
+
+            answer = self._call("writing", location, upload_part)
+            part = {"PartNumber": number, "ETag": answer["ETag"]}
+            if "ChecksumCRC32" in answer:
+                part["ChecksumCRC32"] = answer["ChecksumCRC32"]
+            parts[number - 1] = part
+
+        complete: dict[str, Any] = {"Bucket": bucket, "Key": key, "UploadId": upload_id}
+        if not overwrite:
+            complete["IfNoneMatch"] = "*"
+        try:
+            self._in_parallel(send, list(range(1, len(parts) + 1)))
+            self._call(
+                "writing",
+                location,
+                lambda: self.client.complete_multipart_upload(
+                    MultipartUpload={"Parts": parts}, **complete
+                ),
+            )
+        except BaseException:
+            self._abort(bucket, key, upload_id, location)
+            raise
+
+    def _abort(self, bucket: str, key: str, upload_id: str, location: str) -> None:
+        try:
+            self._call(
+                "aborting the upload of",
+                location,
+                lambda: self.client.abort_multipart_upload(
+                    Bucket=bucket, Key=key, UploadId=upload_id
+                ),
+            )
+        except Exception as e:  # the original error matters more; this one is logged
+            log.warning("could not abort the multipart upload of '%s': %s", location, e)
+
+    def delete_files(self, locations: Iterable[str]) -> None:
+        by_bucket: dict[str, list[str]] = {}
+        for location in locations:
+            bucket, key = self._object(location)
+            by_bucket.setdefault(bucket, []).append(key)
+        for bucket, keys in by_bucket.items():
+            for i in range(0, len(keys), DELETE_BATCH):
+                self._delete_batch(bucket, keys[i : i + DELETE_BATCH])
+
+    def _delete_batch(self, bucket: str, keys: list[str]) -> None:
+        """One `DeleteObjects` request; keys that do not exist count as deleted (as in S3)."""
+        where = f"{SCHEME}{bucket}/{keys[0]}" + (f" and {len(keys) - 1} more" if keys[1:] else "")
+        answer = self._call(
+            "deleting",
+            where,
+            lambda: self.client.delete_objects(
+                Bucket=bucket,
+                Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True},
+            ),
+        )
+        errors = answer.get("Errors") or []
+        if errors:
+            first = errors[0]
+            raise StorageError(
+                f"deleting {len(errors)} of {len(keys)} objects in '{SCHEME}{bucket}' failed, "
+                f"e.g. '{SCHEME}{bucket}/{first.get('Key')}' ({first.get('Code')}: "
+                f"{first.get('Message')}); check the credentials' s3:DeleteObject permission"
+            )
+
+    # -- plumbing ----------------------------------------------------------------------------
+    def _in_parallel(self, fn: Callable[[Any], None], items: list[Any]) -> None:
+        """Run `fn` on every item on `thread_count` threads; the first error raises (and the
+        items not yet started are dropped)."""
+        if len(items) <= 1:
+            for item in items:
+                fn(item)
+            return
+        pool = ThreadPoolExecutor(min(self.options.thread_count, len(items)), "trainckpt-s3")
+        try:
+            futures = [pool.submit(fn, item) for item in items]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            for f in futures:
+                if f in done and f.exception() is not None:
+                    raise cast(BaseException, f.exception())
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _call(self, what: str, location: str, fn: Callable[[], T]) -> T:
+        """Run one request, retrying transient failures with exponential backoff and jitter
+        until `retry_deadline`; translate every failure into our errors."""
+        self.client  # noqa: B018  (built before the clock starts: loading boto3 takes a while)
+        deadline = time.monotonic() + self.options.retry_deadline
+        delay = 0.1
+        attempt = 1
+        while True:
+            try:
+                return fn()
+            except Exception as e:
+                if not _is_transient(e):
+                    raise _translate(e, what, location) from e
+                wait_s = delay * (0.5 + random.random() / 2)
+                if time.monotonic() + wait_s > deadline:
+                    raise StorageError(
+                        f"{what} '{location}' failed: the S3 endpoint did not answer "
+                        f"successfully within retry_deadline={self.options.retry_deadline:g}s "
+                        f"({attempt} attempts; last: {_describe(e)}); check that the bucket "
+                        "is reachable (AWS_ENDPOINT_URL_S3 for S3-compatible stores), or raise "
+                        "retry_deadline"
+                    ) from e
+                log.info("%s '%s': %s; retrying in %.2fs", what, location, _describe(e), wait_s)
+                time.sleep(wait_s)
+                delay = min(delay * 2, 10.0)
+                attempt += 1
+
+
+class _RangeNotSatisfiable(StorageError):
+    """416 on a ranged read: the range starts at or past the end of the file."""
+
+
+def _md5(source: bytes | Path) -> str:
+    """Hex MD5, which S3 reports as the ETag of an object stored by one `PutObject`."""
+    if isinstance(source, bytes):
+        return hashlib.md5(source).hexdigest()
+    digest = hashlib.md5()
+    with open(source, "rb") as f:
+        while chunk := f.read(8 * MiB):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _folder_prefix(location: str) -> str:
+    _, key = split(location)
+    return f"{key}/" if key else ""
+
+
+def _endpoint_from_env() -> str | None:
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+
+
+def _new_client(options: StorageOptions) -> BaseClient:
+    """A client from boto3's standard configuration, with our retry loop instead of its own."""
+    import boto3
+    import botocore
+    from botocore.config import Config
+
+    session = boto3.session.Session()
+    config = Config(
+        retries={"total_max_attempts": 1},  # `S3Storage._call` retries, bounded by the deadline
+        connect_timeout=min(10.0, options.retry_deadline),
+        read_timeout=60.0,
+        max_pool_connections=max(10, options.thread_count + 2),
+        user_agent_extra="trainckpt",
+    )
+    if session.get_credentials() is None:
+        log.warning(
+            "no AWS credentials found; sending unsigned requests (public buckets only). Set "
+            "AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
+        )
+        config = config.merge(Config(signature_version=botocore.UNSIGNED))
+    return session.client("s3", config=config)
+
+
+def _error_code(e: Exception) -> tuple[str, int]:
+    response = getattr(e, "response", None) or {}
+    code = str(response.get("Error", {}).get("Code", ""))
+    status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+    return code, status
+
+
+def _is_transient(e: Exception) -> bool:
+    from botocore import exceptions as bx
+
+    if isinstance(e, bx.ClientError):
+        code, status = _error_code(e)
+        return code in _RETRY_CODES or status in _RETRY_STATUS
+    transient: tuple[type[Exception], ...] = (
+        bx.ConnectionError,  # connect/read timeouts, refused and closed connections
+        bx.HTTPClientError,
+        bx.IncompleteReadError,
+        bx.ResponseStreamingError,
+        ConnectionError,
+        TimeoutError,
+    )
+    if isinstance(e, transient):
+        return True
+    try:  # a body read cut short surfaces as urllib3's own error
+        from urllib3.exceptions import HTTPError as Urllib3Error
+    except ImportError:  # pragma: no cover - urllib3 comes with botocore
+        return False
+    return isinstance(e, Urllib3Error)
+
+
+def _describe(e: Exception) -> str:
+    code, status = _error_code(e)
+    if code and code != str(status):
+        return f"{code} (HTTP {status})"
+    if status:
+        return f"HTTP {status}"
+    return f"{type(e).__name__}: {e}"
+
+
+def _translate(e: Exception, what: str, location: str) -> Exception:
+    """An error of ours for a failure that retrying would not cure."""
+    from botocore import exceptions as bx
+
+    if isinstance(e, bx.ClientError):
+        code, status = _error_code(e)
+        if code == "NoSuchBucket":
+            return CheckpointNotFoundError(
+                f"{what} '{location}': bucket '{split(location)[0]}' does not exist; create it "
+                "or fix the path (and AWS_ENDPOINT_URL_S3 for an S3-compatible store)"
+            )
+        if code in _NOT_FOUND_CODES or status == 404:
+            return CheckpointNotFoundError(f"'{location}' does not exist")
+        if code == "PreconditionFailed" or status == 412:
+            return CheckpointExistsError(
+                f"'{location}' already exists; pass save_overwrite=True to replace it"
+            )
+        if code == "InvalidRange" or status == 416:
+            return _RangeNotSatisfiable(f"'{location}': range not satisfiable")
+        if status in (401, 403):
+            return StorageError(
+                f"{what} '{location}' was refused ({code or status}): check the AWS credentials "
+                "(AWS_PROFILE, AWS_ACCESS_KEY_ID) and their permissions on the bucket"
+            )
+        if code == "NotImplemented" or status == 501:
+            return StorageError(
+                f"{what} '{location}': the S3 endpoint does not implement this request "
+                f"({code or status}: {e}); create-only writes need conditional writes "
+                "(If-None-Match), which AWS S3, R2 and MinIO support"
+            )
+        return StorageError(f"{what} '{location}' failed ({code or status}: {e})")
+    if isinstance(e, bx.NoCredentialsError | bx.PartialCredentialsError):
+        return StorageError(
+            f"{what} '{location}': no usable AWS credentials ({e}); set AWS_PROFILE or "
+            "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
+        )
+    if isinstance(e, bx.BotoCoreError):
+        return StorageError(f"{what} '{location}' failed ({type(e).__name__}: {e})")
+    return e if isinstance(e, StorageError) else StorageError(
+        f"{what} '{location}' failed ({type(e).__name__}: {e})"
+    )
