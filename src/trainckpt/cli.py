@@ -28,7 +28,13 @@ from tqdm import tqdm
 from . import __version__
 from .checkpointer import Checkpointer
 from .errors import CheckpointError, CheckpointNotFoundError
-from .inventory import FolderEntry, age_seconds, describe_checkpoint, scan_folder
+from .inventory import (
+    FolderEntry,
+    age_seconds,
+    describe_checkpoint,
+    manifest_bytes,
+    scan_folder,
+)
 from .prune import apply_prune, plan_prune
 from .storage import resolve
 
@@ -124,18 +130,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    verify = getattr(Checkpointer, "verify", None)
-    if verify is None:
-        raise CheckpointError("this trainckpt has no Checkpointer.verify yet; upgrade trainckpt")
     with _progress_bar(args, "verifying") as progress:
-        report = verify(args.ckpt, deep=args.deep, progress=progress)
-    if report.ok:
-        print(f"ok: {resolve(args.ckpt)[1]} ({'CRC32C' if args.deep else 'sizes'} checked)")
-        return EXIT_OK
-    for problem in report.problems:
-        print(problem)
-    print(f"{len(report.problems)} problem(s) found", file=sys.stderr)
-    return EXIT_PROBLEMS
+        if progress is not None:
+            progress.set_total(manifest_bytes(args.ckpt))
+        report = Checkpointer.verify(args.ckpt, deep=args.deep, progress=progress)
+    print(report)
+    return EXIT_OK if report.ok else EXIT_PROBLEMS
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
@@ -172,7 +172,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             work_dir=args.work_dir,
             progress=progress,
-            on_total=getattr(progress, "set_total", None),
+            on_total=progress.set_total if progress is not None else None,
         )
     extra = f" and {result.values} plain values" if result.values else ""
     print(
@@ -186,17 +186,32 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 class _Progress:
-    """A byte-count callback driving a tqdm bar; `set_total` once the total is known."""
+    """A byte-count callback driving a tqdm bar on stderr. The bar appears at `set_total` (or
+    the first update), so it starts with its total when one is known."""
 
-    def __init__(self, bar: tqdm) -> None:
-        self.bar = bar
+    def __init__(self, desc: str) -> None:
+        self.desc = desc
+        self.bar: tqdm | None = None
+
+    def set_total(self, total: int | None) -> None:
+        if self.bar is None:
+            self.bar = tqdm(
+                desc=self.desc,
+                total=total,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                file=sys.stderr,
+            )
 
     def __call__(self, nbytes: int) -> None:
+        self.set_total(None)
+        assert self.bar is not None
         self.bar.update(nbytes)
 
-    def set_total(self, total: int) -> None:
-        self.bar.total = total
-        self.bar.refresh()
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 @contextlib.contextmanager
@@ -205,8 +220,11 @@ def _progress_bar(args: argparse.Namespace, desc: str) -> Iterator[_Progress | N
     if args.progress is False or (args.progress is None and not sys.stderr.isatty()):
         yield None
         return
-    with tqdm(desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr) as bar:
-        yield _Progress(bar)
+    progress = _Progress(desc)
+    try:
+        yield progress
+    finally:
+        progress.close()
 
 
 def human_size(n: int) -> str:

@@ -120,6 +120,16 @@ def _read_manifest(storage: Storage, path: str) -> CheckpointManifest:
     return CheckpointManifest.from_json(storage.read_bytes(where), where)
 
 
+def manifest_bytes(ckpt: str) -> int | None:
+    """Total size of the files a checkpoint's manifest lists, or None without a readable one."""
+    storage, path = resolve(ckpt)
+    try:
+        manifest = _read_manifest(storage, path)
+    except (CheckpointError, FileNotFoundError):
+        return None
+    return sum(e.size for e in manifest.files.values())
+
+
 def _count_rank_files(files: dict[str, int]) -> int | None:
     """World size guessed from `train/rank{R}.pt` files (checkpoints without a manifest)."""
     ranks = sum(1 for rel in files if _RANK_FILE_RE.match(rel))
