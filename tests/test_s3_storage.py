@@ -159,6 +159,9 @@ def test_missing_bucket_and_empty_prefix(s3_server: MotoS3, s3_bucket: str) -> N
         storage.list_dir("s3://no-such-bucket-here/runs")
     with pytest.raises(CheckpointNotFoundError):
         storage.read_bytes("s3://no-such-bucket-here/runs/x")
+    with pytest.raises(StorageError, match="bucket 'no-such-bucket-here' does not exist") as info:
+        storage.write_bytes("s3://no-such-bucket-here/runs/x", b"1")
+    assert not isinstance(info.value, FileNotFoundError)
     assert storage.list_dir(f"{s3_bucket}/nothing/here").dirs == []
     assert storage.list_files(f"{s3_bucket}/nothing/here") == {}
     with pytest.raises(StorageError, match="names no bucket"):

@@ -28,9 +28,15 @@ def _gcs(request: pytest.FixtureRequest) -> tuple[Storage, str]:
     return resolve(f"{bucket}/root", StorageOptions(thread_count=4, retry_deadline=20))
 
 
+def _s3(request: pytest.FixtureRequest) -> tuple[Storage, str]:
+    bucket: str = request.getfixturevalue("s3_bucket")
+    return resolve(f"{bucket}/root", StorageOptions(thread_count=4, retry_deadline=20))
+
+
 BACKENDS: dict[str, Callable[[pytest.FixtureRequest], tuple[Storage, str]]] = {
     "local": _local,
     "gcs": _gcs,
+    "s3": _s3,
 }
 
 

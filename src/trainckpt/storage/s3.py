@@ -501,10 +501,12 @@ def _translate(e: Exception, what: str, location: str) -> Exception:
     if isinstance(e, bx.ClientError):
         code, status = _error_code(e)
         if code == "NoSuchBucket":
-            return CheckpointNotFoundError(
+            message = (
                 f"{what} '{location}': bucket '{split(location)[0]}' does not exist; create it "
                 "or fix the path (and AWS_ENDPOINT_URL_S3 for an S3-compatible store)"
             )
+            # Nothing can be written there: that is not a missing file but a broken target.
+            return StorageError(message) if what == "writing" else CheckpointNotFoundError(message)
         if code in _NOT_FOUND_CODES or status == 404:
             return CheckpointNotFoundError(f"'{location}' does not exist")
         if code == "PreconditionFailed" or status == 412:
