@@ -11,9 +11,9 @@ from google.cloud import storage as gcs
 from models import assert_same_state, fresh_module, make_module
 
 from trainckpt import (
-    CheckpointExistsError,
     Checkpointer,
     CheckpointerConfig,
+    CheckpointExistsError,
     CheckpointManifest,
     CheckpointNotFoundError,
 )

@@ -303,17 +303,22 @@ class Checkpointer:
     ) -> Iterator[tuple[int, str]]:
         """Committed checkpoints directly under `dir`, as (step, path), ascending by step.
 
-        One listing of `dir`; one existence check per step folder (plus one metadata read per
-        folder with the `ephemeral` filter). `-tmp` folders and folders without a commit record
-        are skipped.
+        One listing of `dir`, then one request per step folder: an existence check of its
+        commit record, or, with the `ephemeral` filter, a read of it (a missing one means not
+        committed). `-tmp` folders and folders without a commit record are skipped.
         """
         storage, path = resolve(dir)
         for step, ckpt in _step_folders(storage, path):
-            if not is_committed(storage, ckpt):
+            if ephemeral is None:
+                if is_committed(storage, ckpt):
+                    yield step, ckpt
                 continue
-            if ephemeral is not None and cls.read_metadata(ckpt).ephemeral != ephemeral:
+            try:
+                record = cls.read_metadata(ckpt)
+            except CheckpointNotFoundError:
                 continue
-            yield step, ckpt
+            if record.ephemeral == ephemeral:
+                yield step, ckpt
 
     @classmethod
     def contains_checkpoint(cls, dir: str | os.PathLike) -> bool:
