@@ -58,3 +58,58 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                     p.kill()
                 raise TimeoutError(f"ranks did not finish within {timeout}s")
         return [pickle.loads(Path(out, f"{r}.pkl").read_bytes()) for r in range(world_size)]
+
+
+WORKER = Path(__file__).with_name("rank_worker.py")
+
+
+def launch_ranks(
+    scenario: str,
+    world_size: int,
+    out: Path,
+    *args: str,
+    prefix: Callable[[int], list[str]] | None = None,
+    env: Callable[[int], dict[str, str]] | None = None,
+    timeout: float = 240,
+) -> list[tuple[int, dict | None]]:
+    """Run `tests/rank_worker.py SCENARIO` as `world_size` separate processes (one per rank,
+    optionally wrapped by `prefix(rank)`, e.g. in its own mount namespace) and return each
+    rank's (exit code, JSON result or None). Ranks that outlive `timeout` are killed and fail
+    the call: a hang is a test failure, never a pass."""
+    import json
+    import subprocess
+    import sys
+
+    out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        rank_env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]),
+        )
+        rank_env.update(env(rank) if env else {})
+        cmd = [*(prefix(rank) if prefix else []), sys.executable, str(WORKER), scenario, str(out), *args]
+        log = open(out / f"rank{rank}.log", "w")
+        procs.append(subprocess.Popen(cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            logs = "\n".join((out / f"rank{r}.log").read_text()[-2000:] for r in range(world_size))
+            raise TimeoutError(f"ranks of '{scenario}' hung for {timeout}s:\n{logs}") from None
+    results = []
+    for rank, code in enumerate(codes):
+        f = out / f"rank{rank}.json"
+        results.append((code, json.loads(f.read_text()) if f.exists() else None))
+    return results

@@ -9,7 +9,8 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -33,10 +34,24 @@ def get_world_size(group: ProcessGroup | None = None) -> int:
     return dist.get_world_size(group) if is_distributed() else 1
 
 
+@contextmanager
+def _peers(what: str) -> Generator[None, None, None]:
+    """Turn a collective that failed because a peer died or timed out into `RankFailedError`."""
+    try:
+        yield
+    except RuntimeError as e:  # gloo's connection and timeout errors (DistBackendError too)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RankFailedError(
+            f"{what}: lost contact with another rank ({first[:300]}); it crashed, was killed "
+            "or is stuck: check its log. This save or load did not complete"
+        ) from e
+
+
 def barrier(group: ProcessGroup | None = None) -> None:
     """Called on: all ranks of `group`."""
     if is_distributed():
-        dist.barrier(group=group)
+        with _peers("waiting at a barrier"):
+            dist.barrier(group=group)
 
 
 def broadcast_object(obj: T, group: ProcessGroup | None = None) -> T:
@@ -44,7 +59,9 @@ def broadcast_object(obj: T, group: ProcessGroup | None = None) -> T:
     if not is_distributed():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+    with _peers("waiting for rank 0"):
+        src = dist.get_global_rank(group, 0) if group else 0
+        dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 
@@ -53,7 +70,8 @@ def all_gather_object(obj: T, group: ProcessGroup | None = None) -> list[T]:
     if not is_distributed():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    with _peers("exchanging state with the other ranks"):
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 
