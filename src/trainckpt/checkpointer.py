@@ -101,8 +101,7 @@ class Checkpointer:
         self._finish_pending()
         start = time.perf_counter()
         req = self._request(dir, ephemeral)
-        trainer_bytes = _serialize_trainer_state(train_state, req.dir)
-        state = train_module.state_dict_to_save()
+        trainer_bytes, state = self._prepare(req, train_module, train_state, stage=False)
         path = save_checkpoint(req, self._write_fn(state, trainer_bytes))
         self._log_saved(path, start, start)
         return path
@@ -127,10 +126,7 @@ class Checkpointer:
         self._finish_pending()
         start = time.perf_counter()
         req = self._request(dir, ephemeral)
-        trainer_bytes = _serialize_trainer_state(train_state, req.dir)
-        staged = self._stager.stage(train_module.state_dict_to_save())
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        trainer_bytes, staged = self._prepare(req, train_module, train_state, stage=True)
         staged_at = time.perf_counter()
         log.info("staged checkpoint '%s' in %.2fs; writing in the background", req.dir, staged_at - start)
 
@@ -173,6 +169,30 @@ class Checkpointer:
             return pending.result()
         except Exception as e:
             raise CheckpointError(f"the previous async save failed: {e}") from e
+
+    def _prepare(
+        self, req: SaveRequest, train_module: TrainModule, train_state: dict, *, stage: bool
+    ) -> tuple[bytes, dict[str, Any]]:
+        """Serialize the trainer state and collect (and, for async saves, stage) the model
+        state. Every rank learns whether every rank succeeded: a rank that failed here and
+        left would otherwise leave its peers waiting in the first collective of the save.
+
+        Called on: all ranks.
+        """
+        error: Exception | None = None
+        trainer_bytes: bytes = b""
+        state: dict[str, Any] = {}
+        try:
+            trainer_bytes = _serialize_trainer_state(train_state, req.dir)
+            state = train_module.state_dict_to_save()
+            if stage:
+                state = self._stager.stage(state)
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+        except Exception as e:
+            error = e
+        dist.agree(error, f"preparing the save of '{req.dir}'", self.process_group)
+        return trainer_bytes, state
 
     def _request(self, dir: str | os.PathLike, ephemeral: bool) -> SaveRequest:
         storage, path = resolve(dir, self._storage_options)

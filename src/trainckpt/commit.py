@@ -83,6 +83,20 @@ def _save_by_rename(req: SaveRequest, write: WriteFn) -> str:
     token = dist.run_on_rank0(
         lambda: _prepare_tmp(storage, dir, tmp, req.overwrite), f"preparing '{tmp}'", group
     )
+    try:
+        return _write_and_rename(req, write, tmp, token)
+    except BaseException:
+        if dist.get_rank(group) == 0:  # best effort: leave no `-tmp` behind a failed save
+            try:
+                storage.delete_tree(tmp)
+            except Exception as cleanup_error:
+                log.warning("could not remove '%s' after a failed save: %s", tmp, cleanup_error)
+        raise
+
+
+def _write_and_rename(req: SaveRequest, write: WriteFn, tmp: str, token: str) -> str:
+    """Steps 2-6 of `_save_by_rename`, once `-tmp` exists. Called on: all ranks."""
+    storage, dir, group = req.storage, req.dir, req.group
 
     # 2. Every rank must see the probe before anything is written: a rank that never sees it
     #    is on a node whose folder is not shared, and would write its shards somewhere else.
