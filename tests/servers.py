@@ -148,7 +148,7 @@ class _StaticHandler(http.server.BaseHTTPRequestHandler):
         self._serve(body=True)
 
     def _serve(self, body: bool) -> None:
-        self.server.count(self.command, self.path)
+        self.server.count(self.command, self.path, self.headers.get("Range"))
         rel = urllib.request.url2pathname(self.path.split("?", 1)[0]).lstrip("/")
         path = (self.server.root / rel).resolve()
         if self.server.root not in path.parents or not path.is_file():
@@ -182,7 +182,7 @@ class _StaticHandler(http.server.BaseHTTPRequestHandler):
 
 
 class StaticHTTPServer(http.server.ThreadingHTTPServer):
-    """Serves `root` on 127.0.0.1 and counts requests by method."""
+    """Serves `root` on 127.0.0.1 and records each request as (method, path, Range header)."""
 
     daemon_threads = True
 
@@ -190,12 +190,12 @@ class StaticHTTPServer(http.server.ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _StaticHandler)
         self.root = root.resolve()
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
-        self.requests: list[tuple[str, str]] = []
+        self.requests: list[tuple[str, str, str | None]] = []
         self._lock = threading.Lock()
 
-    def count(self, method: str, path: str) -> None:
+    def count(self, method: str, path: str, byte_range: str | None) -> None:
         with self._lock:
-            self.requests.append((method, path))
+            self.requests.append((method, path, byte_range))
 
 
 @pytest.fixture(scope="session")
