@@ -32,7 +32,11 @@ class CheckpointerConfig(BaseModel):
     load_thread_count: int | None = Field(default=None, ge=1, le=64)
     """Threads per rank reading (and downloading) files; None picks min(4, CPUs)."""
     throttle_uploads: bool = False
-    """Upload to object stores one local rank at a time per node, to spare the node's network."""
+    """Upload to object stores one rank per node at a time, to spare each node's network.
+    Ranks on the same host take turns in ascending rank order (the host's first rank uploads
+    all its files, then its second, ...); each turn ends with a barrier on the checkpointer's
+    process group, so nodes upload in parallel but never two ranks of one node. A turn must
+    fit within `collective_timeout`. Local/NFS saves ignore it."""
     fs_timeout: float = Field(default=120.0, gt=0)
     """Seconds to wait for files and folders written by another rank to become visible
     (shared filesystems lag) before failing with an error saying what was awaited."""
