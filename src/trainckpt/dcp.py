@@ -11,10 +11,8 @@ from __future__ import annotations
 import dataclasses
 import io
 import pickle
-import queue
 import warnings
 from collections.abc import Callable, Generator
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -27,43 +25,18 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import (
     FileSystemBase,
     FileSystemReader,
-    FileSystemWriter,
-    _split_by_size_and_type,
 )
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import ReadItem, SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import ReadItem
 
 from . import dist
 from .errors import CheckpointError, CorruptCheckpointError, StorageError, UnsafeCheckpointError
 from .layout import DCP_METADATA_FILE
 from .records import FileEntry, crc32c_file
+from .shard_writer import RecordingWriter
 from .storage import Storage
 
 # -- saving ------------------------------------------------------------------------------------
-
-
-class _RecordingWriter(FileSystemWriter):
-    """DCP's file writer that skips empty shard files and remembers the files it wrote."""
-
-    def __init__(self, path: Path, thread_count: int) -> None:
-        super().__init__(
-            path, single_file_per_rank=True, sync_files=True, thread_count=thread_count
-        )
-        self.written: list[str] = []
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
-        prefix = plan.storage_data.prefix
-        file_queue: queue.Queue = queue.Queue()
-        buckets = [b for b in _split_by_size_and_type(self.thread_count, plan.items) if b]
-        for i, bucket in enumerate(buckets):
-            name = f"{prefix}{i}.distcp"
-            self.written.append(name)
-            file_queue.put((self.fs.concat_path(self.path, name), name, bucket))
-        if not buckets:
-            fut: Future = Future()
-            fut.set_result([])
-            return fut
-        return self._write_data(planner, file_queue)
 
 
 def save_state(
@@ -78,17 +51,15 @@ def save_state(
 
     Called on: all ranks (DCP plans collectively; rank 0 also writes `.metadata`).
     """
-    writer = _RecordingWriter(folder, thread_count=thread_count)
+    writer = RecordingWriter(folder, thread_count=thread_count)
     with _quiet_single_process(), _plain_errors(f"writing DCP state into '{folder}'", StorageError):
         dcp.save(
             state, storage_writer=writer, process_group=group, no_dist=not dist.is_distributed()
         )
-    names = list(writer.written)
+    entries = dict(writer.written)  # shards: CRC32C computed while writing
     if dist.get_rank(group) == 0:
-        names.append(DCP_METADATA_FILE)
-    with ThreadPoolExecutor(max(1, min(thread_count, len(names) or 1))) as pool:
-        entries = list(pool.map(lambda n: crc32c_file(folder / n), names))
-    return {f"{folder.name}/{n}": e for n, e in zip(names, entries)}
+        entries[DCP_METADATA_FILE] = crc32c_file(folder / DCP_METADATA_FILE)
+    return {f"{folder.name}/{n}": e for n, e in entries.items()}
 
 
 # -- loading -----------------------------------------------------------------------------------
