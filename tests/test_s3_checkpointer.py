@@ -76,6 +76,27 @@ def test_round_trip_with_manifest_crc32c_and_verify(
     assert not list(ckpt.work_dir.glob("staging-*")), "staging folders must be removed"
 
 
+def test_pre_download_reads_local_copies_through_cached_path(
+    tmp_path: Path, s3_bucket: str, s3_proxy: S3Proxy
+) -> None:
+    """With `pre_download`, shards come down whole through cached-path (which finds the server
+    by `AWS_ENDPOINT_URL_S3` too) into `work_dir`, instead of as byte ranges."""
+    src = make_module(steps=2)
+    c = CheckpointerConfig(work_dir=tmp_path / "work", pre_download=True).build()
+    try:
+        path = c.save(f"{s3_bucket}/step2", src, {"step": 2})
+        s3_proxy.requests.clear()
+        dst = fresh_module()
+        c.load(path, dst)
+    finally:
+        c.close()
+    assert_same_state(src, dst)
+    shard = resolve(path)[0].size(f"{path}/model_and_optim/__0_0.distcp")
+    cached = [p for p in (tmp_path / "work" / "download-cache").rglob("*") if p.is_file()]
+    assert shard in {p.stat().st_size for p in cached}, "the shard was not downloaded"
+    assert any(r.path.endswith("__0_0.distcp") for r in s3_proxy.ops("GetObject"))
+
+
 def test_deep_verify_finds_a_corrupt_object_that_sizes_miss(
     ckpt: Checkpointer, s3_bucket: str, s3_server: MotoS3
 ) -> None:
