@@ -233,8 +233,13 @@ def describe_checkpoint(ckpt: str) -> CheckpointReport:
     metadata: CheckpointMetadata | None = None
     if storage.exists(storage.join(path, layout.METADATA_FILE)):
         metadata = Checkpointer.read_metadata(path)
-    else:
+    elif dcp_folder == path:
         notes.append("no commit record: a bare DCP folder (model weights only)")
+    else:
+        notes.append(
+            "NOT COMMITTED (no commit record): left by an interrupted save, possibly incomplete; "
+            "finders skip it and the next save of this step or `trainckpt prune` removes it"
+        )
     manifest: CheckpointManifest | None = None
     if storage.exists(storage.join(path, layout.MANIFEST_FILE)):
         manifest = _read_manifest(storage, path)
