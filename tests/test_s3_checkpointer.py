@@ -141,6 +141,26 @@ def test_ephemeral_filter(ckpt: Checkpointer, s3_bucket: str) -> None:
     assert Checkpointer.read_metadata(f"{run}/step2").ephemeral is True
 
 
+def test_retention_deletes_superseded_ephemeral_checkpoints_on_s3(
+    ckpt: Checkpointer, s3_bucket: str, s3_server: MotoS3
+) -> None:
+    from trainckpt import CheckpointPolicy
+    from trainckpt.retention import Remover
+
+    run = f"{s3_bucket}/run"
+    module = make_module()
+    ckpt.save(f"{run}/step1", module, {"step": 1})
+    ckpt.save(f"{run}/step2", module, {"step": 2}, ephemeral=True)
+    ckpt.save(f"{run}/step3", module, {"step": 3}, ephemeral=True)
+    remover = Remover(run, CheckpointPolicy(remove="ephemeral_only"))
+    try:
+        assert remover.run_round() == [f"{run}/step2"]
+    finally:
+        remover.close()
+    assert [s for s, _ in Checkpointer.find_checkpoints(run)] == [1, 3]
+    assert _objects(s3_server, f"{run}/step2") == {}
+
+
 def test_committed_prefix_refused_without_save_overwrite(tmp_path: Path, s3_bucket: str) -> None:
     target = f"{s3_bucket}/step4"
     first = make_module(seed=1)
