@@ -13,6 +13,7 @@ import io
 import pickle
 import warnings
 from collections.abc import Callable, Generator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -27,7 +28,11 @@ from torch.distributed.checkpoint.filesystem import (
     FileSystemReader,
 )
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+)
 
 from . import dist
 from .errors import CheckpointError, CorruptCheckpointError, StorageError, UnsafeCheckpointError
@@ -35,6 +40,7 @@ from .layout import DCP_METADATA_FILE
 from .records import FileEntry, crc32c_file
 from .shard_writer import RecordingWriter
 from .storage import Storage
+from .storage.ranged import RangeReader
 
 # -- saving ------------------------------------------------------------------------------------
 
@@ -66,17 +72,21 @@ def save_state(
 
 
 class _StorageFS(FileSystemBase):
-    """DCP's read-side file system calls served by one of our storage back ends."""
+    """DCP's read-side file system calls served by one of our storage back ends (from the
+    local copies in `downloaded`, remote location -> local path, where there is one)."""
 
-    def __init__(self, storage: Storage) -> None:
+    def __init__(self, storage: Storage, downloaded: dict[str, Path] | None = None) -> None:
         self.storage = storage
+        self.downloaded = downloaded or {}
 
     @contextmanager
     def create_stream(self, path: Any, mode: str) -> Generator[IO[bytes], None, None]:
         if mode != "rb":
             raise ValueError("read-only")
-        with self.storage.open_read(str(path)) as f:
+        local = self.downloaded.get(str(path))
+        with open(local, "rb") if local is not None else self.storage.open_read(str(path)) as f:
             yield f
+
 
     def concat_path(self, path: Any, suffix: str) -> str:
         return self.storage.join(str(path), suffix)
@@ -156,11 +166,42 @@ def read_dcp_metadata(storage: Storage, folder: str) -> Metadata:
 
 
 class _SafeReader(FileSystemReader):
-    def __init__(self, storage: Storage, folder: str, metadata: Metadata) -> None:
+    """Reads shards through `storage`: byte ranges on demand, or, with `download_to`, local
+    copies of the shard files this rank's plan needs, downloaded in parallel first."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        folder: str,
+        metadata: Metadata,
+        download_to: Path | None = None,
+        thread_count: int = 4,
+    ) -> None:
         super().__init__(folder)
         self.fs = _StorageFS(storage)
         self.path = folder
         self._metadata = metadata
+        self._storage = storage
+        self._download_to = download_to
+        self._thread_count = thread_count
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
+        if self._download_to is not None:
+            self.fs = self._downloaded_fs(plan, self._download_to)  # type: ignore[assignment]
+        return super().read_data(plan, planner)
+
+    def _downloaded_fs(self, plan: LoadPlan, cache_dir: Path) -> _StorageFS:
+        names = {self.storage_data[item.storage_index].relative_path for item in plan.items}
+        remote = sorted(self._storage.join(str(self.path), name) for name in names)
+        threads = max(1, min(self._thread_count, len(remote)))
+        with ThreadPoolExecutor(threads, thread_name_prefix="trainckpt-download") as pool:
+            local = list(pool.map(lambda r: self._storage.local_copy(r, cache_dir), remote))
+        return _StorageFS(self._storage, dict(zip(remote, local, strict=True)))
+
+    def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
+        if isinstance(file, RangeReader):  # remote: one ranged read per item, not many seeks
+            return io.BytesIO(file.read_range(sinfo.offset, sinfo.length))
+        return super()._slice_file(file, sinfo)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         md = dataclasses.replace(self._metadata)
@@ -195,8 +236,11 @@ def load_state(
     metadata: Metadata,
     *,
     group: dist.ProcessGroup | None,
+    download_to: Path | None = None,
+    thread_count: int = 4,
 ) -> None:
-    """Fill `state` in place from the DCP folder `folder`.
+    """Fill `state` in place from the DCP folder `folder`. With `download_to`, the shard files
+    this rank needs are first downloaded there (`pre_download`), on `thread_count` threads.
 
     Called on: all ranks (DCP plans collectively).
     """
@@ -204,7 +248,7 @@ def load_state(
     with _quiet_single_process(), _plain_errors(what, CheckpointError):
         dcp.load(
             state,
-            storage_reader=_SafeReader(storage, folder, metadata),
+            storage_reader=_SafeReader(storage, folder, metadata, download_to, thread_count),
             planner=_SafeLoadPlanner(),
             process_group=group,
             no_dist=not dist.is_distributed(),
