@@ -27,7 +27,7 @@ from .errors import (
     InvalidTrainStateError,
 )
 from .faults import fault_point
-from .records import CheckpointMetadata, FileEntry, crc32c_bytes
+from .records import CheckpointManifest, CheckpointMetadata, FileEntry, crc32c_bytes
 from .staging import Stager
 from .storage import LocalStorage, Storage, StorageOptions, resolve
 from .train_module import TrainModule
@@ -281,15 +281,29 @@ class Checkpointer:
         return trainer_state
 
     def _load_trainer_state(self, storage: Storage, path: str, *, required: bool) -> dict | None:
-        rank = dist.get_rank(self.process_group)
+        """This rank's trainer state; rank 0's when the checkpoint was saved by another number
+        of ranks (per-rank state such as data positions does not carry over rank by rank)."""
+        rank, world = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
         own = storage.join(path, layout.trainer_state_file(rank))
         rank0 = storage.join(path, layout.trainer_state_file(0))
-        for candidate in (own, rank0):
+        saved_world = _saved_world_size(storage, path)
+        candidates = [own, rank0]
+        if saved_world is not None and saved_world != world:
+            candidates = [rank0]
+            log.warning(
+                "'%s' was saved by %d ranks and is loaded by %d: every rank gets rank 0's "
+                "trainer state '%s'",
+                path,
+                saved_world,
+                world,
+                rank0,
+            )
+        for candidate in candidates:
             try:
                 data = storage.read_bytes(candidate)
             except FileNotFoundError:
                 continue
-            if candidate != own:
+            if candidate != own and saved_world is None:
                 log.warning(
                     "'%s' not found (the checkpoint was saved with another world size); "
                     "using rank 0's trainer state '%s'",
@@ -448,6 +462,16 @@ def _step_folders(storage: Storage, path: str) -> list[tuple[int, str]]:
     listing = storage.list_dir(path)
     steps = [(s, name) for name in listing.dirs if (s := layout.parse_step(name)) is not None]
     return [(s, storage.join(path, name)) for s, name in sorted(steps)]
+
+
+def _saved_world_size(storage: Storage, path: str) -> int | None:
+    """The world size recorded in a checkpoint's manifest; None without one (OLMo-core's)."""
+    where = storage.join(path, layout.MANIFEST_FILE)
+    try:
+        data = storage.read_bytes(where)
+    except FileNotFoundError:
+        return None
+    return CheckpointManifest.from_json(data, where).world_size
 
 
 def _dcp_folder(storage: Storage, path: str) -> str:
