@@ -22,9 +22,7 @@ import hashlib
 import importlib.util
 import logging
 import os
-import random
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -34,6 +32,7 @@ from ..errors import CheckpointExistsError, CheckpointNotFoundError, StorageErro
 from .base import Listing, Storage, StorageOptions
 from .download import cached_copy
 from .ranged import RangeReader
+from .s3_errors import RangeNotSatisfiable, call_with_retries
 
 if TYPE_CHECKING:
     from botocore.client import BaseClient
@@ -48,22 +47,6 @@ MAX_PARTS = 10_000
 """Most parts one multipart upload may have (an S3 limit)."""
 MIN_PART_SIZE = 5 * MiB
 """Smallest part but the last that S3 accepts."""
-
-_RETRY_CODES = frozenset(
-    {
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "TooManyRequests",
-        "RequestLimitExceeded",
-        "RequestTimeout",
-        "InternalError",
-        "ServiceUnavailable",
-        "ConditionalRequestConflict",  # 409: a concurrent conditional write; S3 says retry
-    }
-)
-_RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
-_NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
 
 T = TypeVar("T")
 
@@ -209,7 +192,7 @@ class S3Storage(Storage):
 
         try:
             return self._call("reading", location, get)
-        except _RangeNotSatisfiable:
+        except RangeNotSatisfiable:
             return b""  # `start` at or past the end of the file, as a local read gives
 
     def open_read(self, location: str) -> BinaryIO:
@@ -236,8 +219,9 @@ class S3Storage(Storage):
     def upload_many(self, pairs: list[tuple[Path, str]], *, overwrite: bool = True) -> None:
         """Small files go up in parallel, one request each; large ones one after the other,
         each with its parts in parallel: at most `thread_count` requests run at once."""
-        small = [p for p in pairs if os.path.getsize(p[0]) < self.multipart_threshold]
-        large = [p for p in pairs if p not in small]
+        is_small = [os.path.getsize(local) < self.multipart_threshold for local, _ in pairs]
+        small = [pair for pair, yes in zip(pairs, is_small, strict=True) if yes]
+        large = [pair for pair, yes in zip(pairs, is_small, strict=True) if not yes]
         self._in_parallel(lambda pair: self.upload(*pair, overwrite=overwrite), small)
         for local, location in large:
             self.upload(local, location, overwrite=overwrite)
@@ -381,35 +365,9 @@ class S3Storage(Storage):
             pool.shutdown(wait=True, cancel_futures=True)
 
     def _call(self, what: str, location: str, fn: Callable[[], T]) -> T:
-        """Run one request, retrying transient failures with exponential backoff and jitter
-        until `retry_deadline`; translate every failure into our errors."""
+        """Run one request with retries of transient failures until `retry_deadline`."""
         self.client  # noqa: B018  (built before the clock starts: loading boto3 takes a while)
-        deadline = time.monotonic() + self.options.retry_deadline
-        delay = 0.1
-        attempt = 1
-        while True:
-            try:
-                return fn()
-            except Exception as e:
-                if not _is_transient(e):
-                    raise _translate(e, what, location) from e
-                wait_s = delay * (0.5 + random.random() / 2)
-                if time.monotonic() + wait_s > deadline:
-                    raise StorageError(
-                        f"{what} '{location}' failed: the S3 endpoint did not answer "
-                        f"successfully within retry_deadline={self.options.retry_deadline:g}s "
-                        f"({attempt} attempts; last: {_describe(e)}); check that the bucket "
-                        "is reachable (AWS_ENDPOINT_URL_S3 for S3-compatible stores), or raise "
-                        "retry_deadline"
-                    ) from e
-                log.info("%s '%s': %s; retrying in %.2fs", what, location, _describe(e), wait_s)
-                time.sleep(wait_s)
-                delay = min(delay * 2, 10.0)
-                attempt += 1
-
-
-class _RangeNotSatisfiable(StorageError):
-    """416 on a ranged read: the range starts at or past the end of the file."""
+        return call_with_retries(what, location, fn, self.options.retry_deadline)
 
 
 def _md5(source: bytes | Path) -> str:
@@ -453,87 +411,3 @@ def _new_client(options: StorageOptions) -> BaseClient:
         )
         config = config.merge(Config(signature_version=botocore.UNSIGNED))
     return session.client("s3", config=config)
-
-
-def _error_code(e: Exception) -> tuple[str, int]:
-    response = getattr(e, "response", None) or {}
-    code = str(response.get("Error", {}).get("Code", ""))
-    status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-    return code, status
-
-
-def _is_transient(e: Exception) -> bool:
-    from botocore import exceptions as bx
-
-    if isinstance(e, bx.ClientError):
-        code, status = _error_code(e)
-        return code in _RETRY_CODES or status in _RETRY_STATUS
-    transient: tuple[type[Exception], ...] = (
-        bx.ConnectionError,  # connect/read timeouts, refused and closed connections
-        bx.HTTPClientError,
-        bx.IncompleteReadError,
-        bx.ResponseStreamingError,
-        ConnectionError,
-        TimeoutError,
-    )
-    if isinstance(e, transient):
-        return True
-    try:  # a body read cut short surfaces as urllib3's own error
-        from urllib3.exceptions import HTTPError as Urllib3Error
-    except ImportError:  # pragma: no cover - urllib3 comes with botocore
-        return False
-    return isinstance(e, Urllib3Error)
-
-
-def _describe(e: Exception) -> str:
-    code, status = _error_code(e)
-    if code and code != str(status):
-        return f"{code} (HTTP {status})"
-    if status:
-        return f"HTTP {status}"
-    return f"{type(e).__name__}: {e}"
-
-
-def _translate(e: Exception, what: str, location: str) -> Exception:
-    """An error of ours for a failure that retrying would not cure."""
-    from botocore import exceptions as bx
-
-    if isinstance(e, bx.ClientError):
-        code, status = _error_code(e)
-        if code == "NoSuchBucket":
-            message = (
-                f"{what} '{location}': bucket '{split(location)[0]}' does not exist; create it "
-                "or fix the path (and AWS_ENDPOINT_URL_S3 for an S3-compatible store)"
-            )
-            # Nothing can be written there: that is not a missing file but a broken target.
-            return StorageError(message) if what == "writing" else CheckpointNotFoundError(message)
-        if code in _NOT_FOUND_CODES or status == 404:
-            return CheckpointNotFoundError(f"'{location}' does not exist")
-        if code == "PreconditionFailed" or status == 412:
-            return CheckpointExistsError(
-                f"'{location}' already exists; pass save_overwrite=True to replace it"
-            )
-        if code == "InvalidRange" or status == 416:
-            return _RangeNotSatisfiable(f"'{location}': range not satisfiable")
-        if status in (401, 403):
-            return StorageError(
-                f"{what} '{location}' was refused ({code or status}): check the AWS credentials "
-                "(AWS_PROFILE, AWS_ACCESS_KEY_ID) and their permissions on the bucket"
-            )
-        if code == "NotImplemented" or status == 501:
-            return StorageError(
-                f"{what} '{location}': the S3 endpoint does not implement this request "
-                f"({code or status}: {e}); create-only writes need conditional writes "
-                "(If-None-Match), which AWS S3, R2 and MinIO support"
-            )
-        return StorageError(f"{what} '{location}' failed ({code or status}: {e})")
-    if isinstance(e, bx.NoCredentialsError | bx.PartialCredentialsError):
-        return StorageError(
-            f"{what} '{location}': no usable AWS credentials ({e}); set AWS_PROFILE or "
-            "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
-        )
-    if isinstance(e, bx.BotoCoreError):
-        return StorageError(f"{what} '{location}' failed ({type(e).__name__}: {e})")
-    return e if isinstance(e, StorageError) else StorageError(
-        f"{what} '{location}' failed ({type(e).__name__}: {e})"
-    )
