@@ -143,7 +143,8 @@ class Request:
 
 @dataclass
 class Fault:
-    """Answer the next `times` requests that `match` with `status` and S3 error `code`."""
+    """Answer the next `times` requests that `match` with `status` and S3 error `code`;
+    `status=0` drops the connection without any answer instead."""
 
     match: Callable[[Request], bool]
     status: int
@@ -212,6 +213,9 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
         gate.met.wait(gate.timeout)
 
     def _send_error(self, fault: Fault) -> None:
+        if fault.status == 0:
+            self.close_connection = True  # the client sees the connection close, no answer
+            return
         xml = (
             f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{fault.code}</Code>'
             f"<Message>injected by the test proxy</Message></Error>"
@@ -287,7 +291,7 @@ def s3_proxy(s3_server: MotoS3) -> Iterator[S3Proxy]:
     use_s3_endpoint(proxy.url)
     yield proxy
     use_s3_endpoint(s3_server.url)
-    proxy.shutdown()
+    proxy.shutdown()  # returns at once when a test already shut it down
     proxy.server_close()
     thread.join()
 

@@ -111,6 +111,25 @@ def test_retries_stop_at_the_deadline_with_a_clear_error(
     assert len(s3_proxy.ops("HeadObject")) > 1  # it did retry before giving up
 
 
+def test_dropped_connections_are_retried_and_a_dead_endpoint_fails_at_the_deadline(
+    s3_bucket: str, s3_proxy: S3Proxy, tmp_path: Path
+) -> None:
+    s3_proxy.fail(lambda r: r.operation == "UploadPart", 0, "", times=2)
+    s3_proxy.fail(lambda r: r.operation == "GetObject", 0, "", times=1)
+    storage = small_parts()
+    loc = f"{s3_bucket}/ckpt/shard.distcp"
+    data = os.urandom(2 * MIN_PART_SIZE)
+    storage.upload(write_local(tmp_path / "shard", data), loc)
+    assert storage.read_bytes(loc) == data
+    assert len(s3_proxy.ops("UploadPart")) == 4  # two parts, two of their sends dropped
+
+    s3_proxy.shutdown()  # nothing answers at the endpoint any more
+    s3_proxy.server_close()
+    with pytest.raises(StorageError, match="retry_deadline=1s") as info:
+        S3Storage(StorageOptions(retry_deadline=1.0)).read_bytes(loc)
+    assert loc in str(info.value) and "attempts" in str(info.value)
+
+
 def test_a_retried_create_only_put_that_finds_its_own_object_succeeds(
     s3_bucket: str, s3_proxy: S3Proxy
 ) -> None:
