@@ -6,6 +6,7 @@ Imported by `tests/conftest.py`, which makes the fixtures below available to eve
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import hashlib
 import http.server
@@ -216,3 +217,101 @@ def http_folder(http_server: StaticHTTPServer) -> tuple[Path, str]:
     folder = http_server.root / name
     folder.mkdir()
     return folder, f"{http_server.url}/{name}"
+
+
+# -- a fault-injecting proxy in front of fake-gcs-server ------------------------------------------
+
+
+class _ProxyHandler(http.server.BaseHTTPRequestHandler):
+    server: GCSFaultProxy
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self._relay()
+
+    do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = do_GET
+
+    def _relay(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        status = self.server.record(self.command, self.path)
+        if status is not None:
+            data = f'{{"error": {{"code": {status}, "message": "injected {status}"}}}}'.encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
+        import http.client
+
+        conn = http.client.HTTPConnection("127.0.0.1", self.server.upstream_port, timeout=60)
+        try:
+            headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+            conn.request(self.command, self.path, body=body, headers=headers)
+            response = conn.getresponse()
+            data = response.read()
+        finally:
+            conn.close()
+        self.send_response(response.status)
+        for key, value in response.getheaders():
+            if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                self.send_header(key, value)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+
+class GCSFaultProxy(http.server.ThreadingHTTPServer):
+    """Forwards to fake-gcs-server, answering the first `times` requests that match a rule
+    with an HTTP error instead. Records every request as (method, path, injected status)."""
+
+    daemon_threads = True
+
+    def __init__(self, upstream: FakeGCS) -> None:
+        super().__init__(("127.0.0.1", 0), _ProxyHandler)
+        self.upstream_port = upstream.port
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+        self.log: list[tuple[str, str, int | None]] = []
+        self._rules: list[list] = []
+        self._lock = threading.Lock()
+
+    def fail(self, method: str, path_part: str, status: int, times: int) -> None:
+        """Answer the next `times` requests of `method` whose path contains `path_part`."""
+        with self._lock:
+            self._rules.append([method, path_part, status, times])
+
+    def record(self, method: str, path: str) -> int | None:
+        with self._lock:
+            status = None
+            for rule in self._rules:
+                if rule[0] == method and rule[1] in path and rule[3] > 0:
+                    rule[3] -= 1
+                    status = rule[2]
+                    break
+            self.log.append((method, path, status))
+            return status
+
+    def count(self, method: str, path_part: str) -> int:
+        with self._lock:
+            return sum(1 for m, p, _ in self.log if m == method and path_part in p)
+
+
+@contextlib.contextmanager
+def fault_proxy(gcs_server: FakeGCS) -> Iterator[GCSFaultProxy]:
+    """A fault proxy in front of `gcs_server`, with the clients pointed at the proxy."""
+    proxy = GCSFaultProxy(gcs_server)
+    thread = threading.Thread(target=proxy.serve_forever, daemon=True)
+    thread.start()
+    use_emulator(proxy.url)
+    try:
+        yield proxy
+    finally:
+        use_emulator(gcs_server.url)
+        proxy.shutdown()
+        proxy.server_close()
+        thread.join()
