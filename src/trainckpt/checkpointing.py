@@ -154,7 +154,9 @@ class Checkpointing:
             )
         if step in self._saved:
             log.info(
-                "step %d is already saved at '%s'; not saving it again", step, self._saved[step]
+                "step %d is already saved (or being saved) at '%s'; not saving it again",
+                step,
+                self._saved[step],
             )
             return self._saved[step]
         self._collect_pending()
