@@ -20,7 +20,7 @@ from .errors import (  # noqa: E402
 )
 from .policy import CheckpointPolicy  # noqa: E402
 from .records import CheckpointManifest, CheckpointMetadata  # noqa: E402
-from .train_module import ModelAndOptim, TrainModule  # noqa: E402
+from .train_module import ModelAndOptim, ModelWeights, TrainModule  # noqa: E402
 
 __all__ = [
     "CheckpointError",
@@ -37,6 +37,7 @@ __all__ = [
     "CorruptCheckpointError",
     "InvalidTrainStateError",
     "ModelAndOptim",
+    "ModelWeights",
     "RankFailedError",
     "SharedFolderError",
     "StorageError",

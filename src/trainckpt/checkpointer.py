@@ -8,7 +8,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,6 +82,7 @@ class Checkpointer:
         )
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="trainckpt-save")
         self._pending: Future[str] | None = None
+        self._staging: Future[None] | None = None
         self._stager = Stager()
         self._lock = threading.Lock()
 
@@ -113,10 +114,16 @@ class Checkpointer:
         train_state: dict[str, Any],
         *,
         ephemeral: bool = False,
+        overlap_staging: bool = False,
     ) -> Future[str]:
         """Stage the state in CPU memory, then write and commit it in the background.
 
         Returns once staged: the caller may change parameters and trainer state right away.
+        With `overlap_staging=True` it returns before the copy to CPU memory is done (the copy
+        overlaps the next forward/backward); the caller must then call `wait_for_staging()`
+        before the next optimizer step changes parameters (the next `save`, `save_async` and
+        `load` wait for it too). The trainer state is serialized during the call either way.
+
         The future resolves to the committed path only after the commit; until then no finder
         reports the checkpoint. One save runs at a time: this call first waits for the previous
         one (and raises its error, if it failed). Staging reuses one CPU copy of the state.
@@ -126,18 +133,62 @@ class Checkpointer:
         self._finish_pending()
         start = time.perf_counter()
         req = self._request(dir, ephemeral)
-        trainer_bytes, staged = self._prepare(req, train_module, train_state, stage=True)
-        staged_at = time.perf_counter()
-        log.info("staged checkpoint '%s' in %.2fs; writing in the background", req.dir, staged_at - start)
+        trainer_bytes, state = self._prepare(
+            req, train_module, train_state, stage=not overlap_staging
+        )
+        staging: Future[None] = Future()
+        if not overlap_staging:
+            staging.set_result(None)
+            log.info(
+                "staged checkpoint '%s' in %.2fs; writing in the background",
+                req.dir,
+                time.perf_counter() - start,
+            )
 
         def run() -> str:
+            staged = state
+            if overlap_staging:
+                staged = self._stage_in_background(req, state, staging)
+            staged_at = time.perf_counter()
             path = save_checkpoint(req, self._write_fn(staged, trainer_bytes))
-            self._log_saved(path, start, staged_at)
+            self._log_saved(path, start, start if overlap_staging else staged_at)
             return path
 
         with self._lock:
+            self._staging = staging
             self._pending = self._executor.submit(run)
             return self._pending
+
+    def wait_for_staging(self) -> None:
+        """Block until the state of the last `save_async(..., overlap_staging=True)` is copied
+        to CPU memory; call it before the optimizer step that follows that save. Returns at
+        once when nothing is being staged. Raises if staging failed."""
+        with self._lock:
+            staging = self._staging
+        if staging is not None:
+            staging.result()
+
+    def _stage_in_background(
+        self, req: SaveRequest, state: dict[str, Any], done: Future[None]
+    ) -> dict[str, Any]:
+        """Copy `state` to CPU buffers off the training thread and signal `done`; every rank
+        learns whether every rank staged. Called on: all ranks (background thread)."""
+        error: Exception | None = None
+        staged: dict[str, Any] = {}
+        start = time.perf_counter()
+        try:
+            staged = self._stager.stage(state)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        except Exception as e:
+            error = e
+        if error is None:
+            done.set_result(None)
+            log.info("staged checkpoint '%s' in %.2fs (overlapped)", req.dir, time.perf_counter() - start)
+        else:
+            done.set_exception(error)
+        dist.agree(error, f"staging the save of '{req.dir}'", self.process_group)
+        return staged
 
     def write_file(self, dir: str | os.PathLike, fname: str, contents: str | bytes) -> str:
         """Write one file into a folder, atomically; refused if it exists, unless
@@ -248,10 +299,16 @@ class Checkpointer:
         *,
         load_trainer_state: bool | None = None,
         load_optim_state: bool | None = None,
+        exclude: Sequence[str] = (),
     ) -> dict[str, Any] | None:
         """Load a checkpoint (local path or URL) into `train_module`; return this rank's
         trainer state, rank 0's when the world size changed, or None when not asked for or
         (with `load_trainer_state=None`) absent. A bare DCP folder loads too.
+
+        `exclude` names top-level keys to leave untouched: of the module state (`"model"`,
+        `"optim"`) or of the trainer state (left out of the returned dict); an unknown name is
+        an error listing the known ones. A step-0 (seed) checkpoint loads model weights only
+        unless `load_optim_state=True`.
 
         Called on: all ranks.
         """
@@ -265,8 +322,12 @@ class Checkpointer:
         if load_trainer_state is not False:
             trainer_state = self._load_trainer_state(storage, path, required=bool(load_trainer_state))
 
+        if load_optim_state is None and layout.parse_step(storage.name(path)) == 0:
+            log.info("'%s' is a step-0 (seed) checkpoint: loading model weights only", path)
+            load_optim_state = False
         metadata = read_dcp_metadata(storage, dcp_folder)
         state = train_module.state_dict_to_load(metadata, optim=load_optim_state)
+        trainer_state = _exclude(state, trainer_state, exclude, path)
         load_state(
             state,
             storage,
@@ -462,6 +523,26 @@ def _step_folders(storage: Storage, path: str) -> list[tuple[int, str]]:
     listing = storage.list_dir(path)
     steps = [(s, name) for name in listing.dirs if (s := layout.parse_step(name)) is not None]
     return [(s, storage.join(path, name)) for s, name in sorted(steps)]
+
+
+def _exclude(
+    state: dict[str, Any], trainer_state: dict[str, Any] | None, names: Sequence[str], path: str
+) -> dict[str, Any] | None:
+    """Drop the `names` from the state to load (in place) and from the trainer state."""
+    if not names:
+        return trainer_state
+    known = set(state) | set(trainer_state or {})
+    unknown = sorted(set(names) - known)
+    if unknown:
+        raise ConfigurationError(
+            f"exclude names {unknown}, which loading '{path}' does not have; "
+            f"known top-level keys: {sorted(known)}"
+        )
+    for name in names:
+        state.pop(name, None)
+    if trainer_state is None:
+        return None
+    return {k: v for k, v in trainer_state.items() if k not in names}
 
 
 def _saved_world_size(storage: Storage, path: str) -> int | None:

@@ -1,8 +1,10 @@
-"""What a checkpointer saves and loads: the `TrainModule` protocol and `ModelAndOptim`."""
+"""What a checkpointer saves and loads: the `TrainModule` protocol, `ModelAndOptim` and
+`ModelWeights` (a model-only view, optionally in a smaller dtype)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -15,9 +17,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from .errors import CheckpointError
+from .errors import CheckpointError, ConfigurationError
 
 log = logging.getLogger(__name__)
+
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 @runtime_checkable
@@ -41,49 +45,132 @@ class TrainModule(Protocol):
         ...
 
 
-class ModelAndOptim:
-    """A `TrainModule` for one `torch.nn.Module` (plain, DDP or FSDP2) and an optional optimizer.
+def _as_list(x: Any) -> list:
+    return list(x) if isinstance(x, (list, tuple)) else [x]
 
-    State keys are `"model"` and `"optim"` (optimizer state flattened by parameter name), as
-    OLMo-core's transformer train module writes them, so checkpoints interchange.
+
+class ModelAndOptim:
+    """A `TrainModule` for a model (plain, DDP or FSDP2) and its optimizer, or for several
+    model parts (pipeline-parallel stages) with one optimizer each.
+
+    State keys are `"model"` (parameter names, unique across parts) and `"optim"` (optimizer
+    state flattened by parameter name), as OLMo-core's transformer train module writes them,
+    so checkpoints interchange — and a checkpoint of N parts loads into any other split of the
+    same model, one part included.
     """
 
-    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer | None = None) -> None:
-        self.model = model
-        self.optim = optim
-        self._options = StateDictOptions(flatten_optimizer_state_dict=True)
+    def __init__(
+        self,
+        model: torch.nn.Module | Sequence[torch.nn.Module],
+        optim: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+    ) -> None:
+        self.parts: list[torch.nn.Module] = _as_list(model)
+        self.optims: list[torch.optim.Optimizer] = [] if optim is None else _as_list(optim)
+        if not self.parts:
+            raise ConfigurationError("ModelAndOptim needs at least one model part")
+        if self.optims and len(self.optims) != len(self.parts):
+            raise ConfigurationError(
+                f"ModelAndOptim got {len(self.parts)} model parts and {len(self.optims)} "
+                "optimizers: pass one optimizer per part (or none)"
+            )
+        self._check_unique_names()
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model, when there is one part."""
+        if len(self.parts) != 1:
+            raise AttributeError("this ModelAndOptim has several parts: use .parts")
+        return self.parts[0]
+
+    @property
+    def optim(self) -> torch.optim.Optimizer | None:
+        """The optimizer, when there is one part (None without optimizer)."""
+        if len(self.optims) > 1:
+            raise AttributeError("this ModelAndOptim has several optimizers: use .optims")
+        return self.optims[0] if self.optims else None
+
+    def _check_unique_names(self) -> None:
+        seen: dict[str, int] = {}
+        for i, part in enumerate(self.parts):
+            for name in part.state_dict():
+                if name in seen:
+                    raise ConfigurationError(
+                        f"state key '{name}' is in model part {seen[name]} and part {i}: "
+                        "parameter names must be unique across parts (keep each stage's "
+                        "original names, as torchtitan's pipeline split does)"
+                    )
+                seen[name] = i
+
+    def _model_state(self) -> dict[str, Any]:
+        return {k: v for p in self.parts for k, v in get_model_state_dict(p, options=_OPTIONS).items()}
+
+    def _optim_state(self) -> dict[str, Any]:
+        return {
+            k: v
+            for p, o in zip(self.parts, self.optims)
+            for k, v in get_optimizer_state_dict(p, o, options=_OPTIONS).items()
+        }
 
     def state_dict_to_save(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"model": get_model_state_dict(self.model, options=self._options)}
-        if self.optim is not None:
-            state["optim"] = get_optimizer_state_dict(self.model, self.optim, options=self._options)
+        state: dict[str, Any] = {"model": self._model_state()}
+        if self.optims:
+            state["optim"] = self._optim_state()
         return state
 
     def state_dict_to_load(self, metadata: Metadata, optim: bool | None = None) -> dict[str, Any]:
         has_optim = any(k.startswith("optim.") for k in metadata.state_dict_metadata)
         if optim is None:
-            optim = has_optim and self.optim is not None
-            if self.optim is not None and not has_optim:
+            optim = has_optim and bool(self.optims)
+            if self.optims and not has_optim:
                 log.warning("the checkpoint holds no optimizer state; loading model weights only")
         if optim and not has_optim:
             raise CheckpointError(
                 "load_optim_state=True but the checkpoint holds no optimizer state; "
                 "pass load_optim_state=False to load the model weights only"
             )
-        if optim and self.optim is None:
+        if optim and not self.optims:
             raise CheckpointError(
                 "load_optim_state=True but this ModelAndOptim has no optimizer; "
                 "pass the optimizer to ModelAndOptim(model, optim)"
             )
-        state: dict[str, Any] = {"model": get_model_state_dict(self.model, options=self._options)}
+        state: dict[str, Any] = {"model": self._model_state()}
         if optim:
-            assert self.optim is not None
-            state["optim"] = get_optimizer_state_dict(self.model, self.optim, options=self._options)
+            state["optim"] = self._optim_state()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state_dict["model"], options=self._options)
-        if "optim" in state_dict and self.optim is not None:
-            set_optimizer_state_dict(
-                self.model, self.optim, state_dict["optim"], options=self._options
-            )
+        model_sd = state_dict.get("model")
+        optim_sd = state_dict.get("optim") if self.optims else None
+        for i, part in enumerate(self.parts):
+            if model_sd is not None:
+                own = get_model_state_dict(part, options=_OPTIONS).keys()
+                set_model_state_dict(part, {k: model_sd[k] for k in own}, options=_OPTIONS)
+            if optim_sd is not None:
+                own = get_optimizer_state_dict(part, self.optims[i], options=_OPTIONS).keys()
+                set_optimizer_state_dict(
+                    part, self.optims[i], {k: optim_sd[k] for k in own}, options=_OPTIONS
+                )
+
+
+class ModelWeights:
+    """A `TrainModule` that saves only the model weights of `module`, floating-point tensors
+    cast to `dtype` when given: the small final checkpoint of a run. It loads like any other
+    checkpoint (`Checkpointer.load` into a `ModelAndOptim` of that dtype loads the weights)."""
+
+    def __init__(self, module: ModelAndOptim, dtype: torch.dtype | None = None) -> None:
+        self.module = module
+        self.dtype = dtype
+
+    def _cast(self, t: Any) -> Any:
+        if self.dtype is not None and isinstance(t, torch.Tensor) and t.is_floating_point():
+            return t.to(self.dtype)
+        return t
+
+    def state_dict_to_save(self) -> dict[str, Any]:
+        return {"model": {k: self._cast(v) for k, v in self.module._model_state().items()}}
+
+    def state_dict_to_load(self, metadata: Metadata, optim: bool | None = None) -> dict[str, Any]:
+        return self.module.state_dict_to_load(metadata, optim=False)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.module.load_state_dict(state_dict)
