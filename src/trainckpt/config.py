@@ -28,7 +28,8 @@ class CheckpointerConfig(BaseModel):
     """When loading from a URL, download the files this rank needs before reading them, instead
     of reading byte ranges on demand."""
     save_thread_count: int | None = Field(default=None, ge=1, le=64)
-    """Threads per rank writing (and uploading) files; None picks min(4, CPUs)."""
+    """Threads per rank writing files, and uploading them to object stores; None picks
+    min(4, CPUs) for writing and 8 for uploads (which wait on the network, not the CPU)."""
     load_thread_count: int | None = Field(default=None, ge=1, le=64)
     """Threads per rank reading (and downloading) files; None picks min(4, CPUs)."""
     throttle_uploads: bool = False
