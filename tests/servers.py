@@ -238,6 +238,7 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
         status = self.server.record(self.command, self.path)
+        body = self.server.tamper(body)
         if status is not None:
             data = f'{{"error": {{"code": {status}, "message": "injected {status}"}}}}'.encode()
             self.send_response(status)
@@ -278,6 +279,7 @@ class GCSFaultProxy(http.server.ThreadingHTTPServer):
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
         self.log: list[tuple[str, str, int | None]] = []
         self._rules: list[list] = []
+        self._corruptions: list[list] = []
         self._lock = threading.Lock()
 
     def fail(self, method: str, path_part: str, status: int, times: int) -> None:
@@ -295,6 +297,21 @@ class GCSFaultProxy(http.server.ThreadingHTTPServer):
                     break
             self.log.append((method, path, status))
             return status
+
+    def corrupt(self, marker: bytes, replacement: bytes, times: int = 1) -> None:
+        """Replace `marker` with `replacement` (same length) in the next `times` request
+        bodies that contain it: bytes damaged on the way to the server."""
+        assert len(marker) == len(replacement)
+        with self._lock:
+            self._corruptions.append([marker, replacement, times])
+
+    def tamper(self, body: bytes) -> bytes:
+        with self._lock:
+            for rule in self._corruptions:
+                if rule[2] > 0 and rule[0] in body:
+                    rule[2] -= 1
+                    return body.replace(rule[0], rule[1])
+        return body
 
     def count(self, method: str, path_part: str) -> int:
         with self._lock:

@@ -4,6 +4,7 @@ with 408/429/5xx (retried with backoff until `retry_deadline`) or 403 (not retri
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from servers import FakeGCS, GCSFaultProxy, fault_proxy
@@ -60,3 +61,19 @@ def test_permission_errors_are_not_retried(bucket: str, gcs_proxy: GCSFaultProxy
     with pytest.raises(StorageError, match="credentials"):
         storage.write_bytes(f"{bucket}/f", b"1")
     assert gcs_proxy.count("POST", "/upload/") == 1
+
+
+def test_bytes_damaged_in_transfer_fail_the_upload(
+    bucket: str, gcs_proxy: GCSFaultProxy, tmp_path: Path
+) -> None:
+    """The proxy flips bytes of the body; the server stores and checksums the damaged bytes,
+    and the CRC32C it reports no longer matches the one computed locally."""
+    storage = _storage()
+    data = b"0123456789" * 1000 + b"TENSOR-BYTES" + b"9876543210" * 1000
+    local = tmp_path / "shard.distcp"
+    local.write_bytes(data)
+    gcs_proxy.corrupt(b"TENSOR-BYTES", b"TENSOR-BYTEZ")
+    with pytest.raises(StorageError, match="corrupted in transfer"):
+        storage.upload_many([(local, f"{bucket}/step1/model_and_optim/__0_0.distcp")])
+    storage.upload(local, f"{bucket}/step1/model_and_optim/__0_0.distcp")  # clean retry
+    assert storage.read_bytes(f"{bucket}/step1/model_and_optim/__0_0.distcp") == data
