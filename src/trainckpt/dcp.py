@@ -25,7 +25,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import (
     FileSystemBase,
-    FileSystemReader,
 )
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
@@ -38,6 +37,7 @@ from . import dist
 from .errors import CheckpointError, CorruptCheckpointError, StorageError, UnsafeCheckpointError
 from .layout import DCP_METADATA_FILE
 from .records import FileEntry, crc32c_file
+from .shard_reader import ParallelReader
 from .shard_writer import RecordingWriter
 from .storage import Storage
 from .storage.ranged import RangeReader
@@ -165,7 +165,7 @@ def read_dcp_metadata(storage: Storage, folder: str) -> Metadata:
     return md
 
 
-class _SafeReader(FileSystemReader):
+class _SafeReader(ParallelReader):
     """Reads shards through `storage`: byte ranges on demand, or, with `download_to`, local
     copies of the shard files this rank's plan needs, downloaded in parallel first."""
 
@@ -177,7 +177,7 @@ class _SafeReader(FileSystemReader):
         download_to: Path | None = None,
         thread_count: int = 4,
     ) -> None:
-        super().__init__(folder)
+        super().__init__(folder, thread_count)
         self.fs = _StorageFS(storage)
         self.path = folder
         self._metadata = metadata
