@@ -143,6 +143,10 @@ class _StaticHandler(http.server.BaseHTTPRequestHandler):
         pass
 
     def do_HEAD(self) -> None:
+        if self.server.refuse_head:
+            self.server.count(self.command, self.path, None)
+            self.send_error(405)
+            return
         self._serve(body=False)
 
     def do_GET(self) -> None:
@@ -150,6 +154,10 @@ class _StaticHandler(http.server.BaseHTTPRequestHandler):
 
     def _serve(self, body: bool) -> None:
         self.server.count(self.command, self.path, self.headers.get("Range"))
+        injected = self.server.next_failure()
+        if injected is not None:
+            self.send_error(injected)
+            return
         rel = urllib.request.url2pathname(self.path.split("?", 1)[0]).lstrip("/")
         path = (self.server.root / rel).resolve()
         if self.server.root not in path.parents or not path.is_file():
@@ -192,11 +200,20 @@ class StaticHTTPServer(http.server.ThreadingHTTPServer):
         self.root = root.resolve()
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
         self.requests: list[tuple[str, str, str | None]] = []
+        self.failures: list[int] = []
+        """Statuses to answer the next requests with (transient server errors)."""
+        self.refuse_head = False
+        """Answer HEAD with 405, as some signed-URL servers and CDNs do."""
         self._lock = threading.Lock()
 
     def count(self, method: str, path: str, byte_range: str | None) -> None:
         with self._lock:
             self.requests.append((method, path, byte_range))
+
+    def next_failure(self) -> int | None:
+        """The status to answer this request with instead of the file, if any is queued."""
+        with self._lock:
+            return self.failures.pop(0) if self.failures else None
 
 
 @pytest.fixture(scope="session")
@@ -213,6 +230,8 @@ def http_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StaticHTTP
 @pytest.fixture
 def http_folder(http_server: StaticHTTPServer) -> tuple[Path, str]:
     """(local folder, its URL): files put in the folder are served at the URL."""
+    http_server.failures.clear()
+    http_server.refuse_head = False
     name = uuid.uuid4().hex[:12]
     folder = http_server.root / name
     folder.mkdir()

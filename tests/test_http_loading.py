@@ -110,3 +110,21 @@ def test_unreachable_http_server_is_a_storage_error(tmp_path):
     storage = storage_for(url, StorageOptions(retry_deadline=1.0))
     with pytest.raises(StorageError, match="retry_deadline=1s"):
         storage.read_bytes(url)
+
+
+def test_transient_http_errors_are_retried(published, http_server):
+    _, url = published
+    http_server.failures[:] = [503, 429, 502]
+    assert Checkpointer.read_metadata(url).ephemeral is False  # HEAD-free: one GET, retried
+    path = url[len(http_server.url) :] + "/.metadata.json"
+    retried = [r for r in http_server.requests if r[1] == path]
+    assert len(retried) == 4, retried
+
+
+def test_server_that_refuses_head_still_loads(published, ckpt, http_server):
+    src, url = published
+    http_server.refuse_head = True
+    dst = fresh_module()
+    ckpt.load(url, dst)
+    assert_same_state(src, dst)
+    assert any(m == "HEAD" for m, _, _ in http_server.requests)

@@ -22,6 +22,7 @@ from .download import cached_copy
 from .ranged import RangeReader
 
 _RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+_HEAD_REFUSED = frozenset({403, 405, 501})
 
 
 class HTTPStorage(Storage):
@@ -60,14 +61,22 @@ class HTTPStorage(Storage):
         raise self._no_listing(location)
 
     def size(self, location: str) -> int:
-        response = self._request("HEAD", location)
-        length = response.headers.get("Content-Length")
-        if length is None:
-            raise StorageError(
-                f"'{location}': the server sent no Content-Length, so its size is unknown; "
-                "serve the checkpoint from a server that sends it (any static file server)"
-            )
-        return int(length)
+        head = self._request("HEAD", location, passthrough=_HEAD_REFUSED)
+        length = head.headers.get("Content-Length") if head.status_code < 400 else None
+        if length is not None:
+            return int(length)
+        # A server that refuses HEAD or omits the length (signed URLs, some CDNs): ask for the
+        # first byte; the total size is in Content-Range.
+        probe = self._request("GET", location, {"Range": "bytes=0-0"})
+        total = probe.headers.get("Content-Range", "").rpartition("/")[2]
+        if probe.status_code == 206 and total.isdigit():
+            return int(total)
+        if probe.status_code == 200:
+            return len(probe.content)
+        raise StorageError(
+            f"'{location}': the server reports no size (no Content-Length on HEAD, no "
+            "Content-Range on a ranged GET); serve the checkpoint from a static file server"
+        )
 
     def read_bytes(self, location: str, start: int = 0, end: int | None = None) -> bytes:
         if end is not None and end <= start:
@@ -93,10 +102,15 @@ class HTTPStorage(Storage):
         return cached_copy(location, cache_dir)
 
     def _request(
-        self, method: str, url: str, headers: dict[str, str] | None = None
+        self,
+        method: str,
+        url: str,
+        headers: dict[str, str] | None = None,
+        passthrough: frozenset[int] = frozenset(),
     ) -> requests.Response:
         """One request, retried with backoff on 408/429/5xx and connection errors until
-        `retry_deadline`; 404 raises `CheckpointNotFoundError`, other failures `StorageError`."""
+        `retry_deadline`; 404 raises `CheckpointNotFoundError`, other failures `StorageError`
+        (statuses in `passthrough` are returned to the caller instead)."""
         deadline = time.monotonic() + self.options.retry_deadline
         delay = 0.25
         while True:
@@ -107,7 +121,9 @@ class HTTPStorage(Storage):
                 problem = f"HTTP {response.status_code}"
             except (requests.ConnectionError, requests.Timeout) as e:
                 response, problem = None, f"{type(e).__name__}: {e}"
-            if response is not None and response.status_code not in _RETRY_STATUS:
+            if response is not None and (
+                response.status_code not in _RETRY_STATUS or response.status_code in passthrough
+            ):
                 break
             if time.monotonic() + delay > deadline:
                 raise StorageError(
@@ -117,6 +133,8 @@ class HTTPStorage(Storage):
                 )
             time.sleep(delay)  # backoff between retries
             delay = min(delay * 2, 10.0)
+        if response.status_code in passthrough:
+            return response
         if response.status_code in (404, 410):
             raise CheckpointNotFoundError(f"'{url}' does not exist (HTTP {response.status_code})")
         if response.status_code >= 400 and response.status_code != 416:
