@@ -115,16 +115,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     out += [f"  {k} = {v}" for k, v in report.trainer_state.items()]
     groups = ", ".join(f"{g} {human_size(n)}" for g, n in report.bytes_by_group().items())
     out.append(f"DCP contents   {len(report.values)} values in {report.dcp_folder}: {groups}")
+    tensors = [v for v in report.values if v.kind == "tensor"]
     rows = [
-        [
-            v.key,
-            v.dtype or "(value)",
-            "x".join(map(str, v.shape)) if v.shape else "-",
-            human_size(v.nbytes) if v.kind == "tensor" else "-",
-        ]
-        for v in report.values
+        [v.key, v.dtype or "", "x".join(map(str, v.shape or ())) or "-", human_size(v.nbytes)]
+        for v in tensors
     ]
     out.append(_table(["KEY", "DTYPE", "SHAPE", "SIZE"], rows, right={"SIZE"}, indent="  "))
+    plain = [v.key for v in report.values if v.kind != "tensor"]
+    if plain:
+        under = sorted({".".join(k.split(".")[:2]) for k in plain})
+        out.append(
+            f"  and {len(plain)} plain (non-tensor) values under {', '.join(under)} "
+            "(--json lists them)"
+        )
     print("\n".join(out))
     return EXIT_OK
 
