@@ -202,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                     sched.get_last_lr()[0],
                     step / max(time.perf_counter() - start, 1e-9) if step else 0.0,
                 )
-            driver.maybe_save(step, module, trainer_state)
+            if step < cfg.train.steps:  # the last step gets the permanent final save below
+                driver.maybe_save(step, module, trainer_state)
         if step < cfg.train.steps:
             path = driver.save(step, module, trainer_state, ephemeral=True)
             log.warning("SIGTERM: saved checkpoint '%s' at step %d; exiting", path, step)

@@ -102,7 +102,9 @@ class Checkpointing:
         ephemeral: bool = False,
     ) -> str:
         """Save a checkpoint of `step` now and wait until it is committed (e.g. at the end of
-        training or on SIGTERM); a step already saved is only waited for. Returns its path.
+        training or on SIGTERM); a step already saved (or in flight), of whatever kind, is only
+        waited for, so a trainer's final save should not follow `maybe_save` of the same step.
+        Returns its path.
 
         Called on: all ranks.
         """
