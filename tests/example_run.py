@@ -87,7 +87,9 @@ def write_config(tmp_path: Path, name: str = "cfg.yaml", **policy: object) -> Pa
     return path
 
 
-def train(config: Path, folder: Path, steps: int, *, launcher: list[str] | None = None) -> str:
+def train(
+    config: Path, folder: Path | str, steps: int, *, launcher: list[str] | None = None
+) -> str:
     run = Run(str(config), "--save-folder", str(folder), "--steps", str(steps), launcher=launcher)
     rc = run.finish()
     assert rc == 0, run.output
