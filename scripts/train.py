@@ -253,6 +253,7 @@ def report(folder: str) -> None:
         print(f"  step {step:>6}  {kind:<9}  {path}", flush=True)
     if not found:
         print("  (none)", flush=True)
+    print("run again with the same --save-folder (and a larger --steps) to resume", flush=True)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from .checkpointer import Checkpointer
 from .errors import CheckpointError
 from .policy import CheckpointPolicy, SaveKind
 from .records import CheckpointManifest
-from .retention import Remover, scan_folder
+from .retention import Remover
 from .storage import resolve
 from .train_module import TrainModule
 
@@ -61,7 +61,7 @@ class Checkpointing:
         # Rank 0 lists the folder once; every rank gets the same steps, so every rank makes the
         # same decisions (which steps are already saved, how old the last checkpoint is).
         steps = dist.run_on_rank0(
-            lambda: {c.step: c.path for c in scan_folder(self.save_folder).committed},
+            lambda: _committed_steps(self.save_folder),
             f"reading the checkpoints in '{self.save_folder}'",
             self._group,
         )
@@ -217,6 +217,14 @@ class Checkpointing:
             return
         seconds = time.perf_counter() - save.started
         self._remover.submit(before=lambda: _log_committed(save, seconds))
+
+
+def _committed_steps(folder: str) -> dict[int, str]:
+    """Step -> path of every committed checkpoint in `folder` (none when it does not exist)."""
+    try:
+        return dict(Checkpointer.find_checkpoints(folder))
+    except FileNotFoundError:
+        return {}
 
 
 def _log_committed(save: _Save, seconds: float) -> None:
