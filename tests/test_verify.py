@@ -20,6 +20,8 @@ from trainckpt import (
     CorruptCheckpointError,
 )
 
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
 
 def _build(tmp_path: Path, **kw) -> Checkpointer:
     return CheckpointerConfig(work_dir=tmp_path / "work", **kw).build()

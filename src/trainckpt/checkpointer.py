@@ -32,7 +32,13 @@ from .staging import Stager
 from .storage import LocalStorage, Storage, StorageOptions, resolve
 from .train_module import TrainModule
 from .upload_turns import run_in_turns
-from .verify import Progress, VerifyReport, check_before_load, verify_checkpoint
+from .verify import (
+    Progress,
+    VerifyReport,
+    check_before_load,
+    require_folder,
+    verify_checkpoint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -567,6 +573,7 @@ def _dcp_folder(storage: Storage, path: str) -> str:
             f"'{path}' is committed but '{nested}/{layout.DCP_METADATA_FILE}' is missing; the "
             "checkpoint is damaged: load an older one or restore it from a copy"
         )
+    require_folder(storage, path)  # a clearer error for a missing path or a file
     raise CheckpointNotFoundError(
         f"'{path}' is not a checkpoint (no {layout.METADATA_FILE}, no "
         f"{layout.MODEL_DIR}/{layout.DCP_METADATA_FILE}); check the path, or use "

@@ -130,7 +130,7 @@ def _read_records(storage: Storage, path: str, report: VerifyReport) -> Checkpoi
         if _is_bare_dcp(storage, path):
             report.unverifiable = True
         else:
-            _require_folder(storage, path)
+            require_folder(storage, path)
             report.problems.append(
                 f"'{meta_at}' is missing: '{path}' is not a committed checkpoint "
                 "(an interrupted save leaves such a folder; the next save of that step clears it)"
@@ -153,7 +153,7 @@ def _is_bare_dcp(storage: Storage, path: str) -> bool:
     return storage.exists(storage.join(path, DCP_METADATA_FILE))
 
 
-def _require_folder(storage: Storage, path: str) -> None:
+def require_folder(storage: Storage, path: str) -> None:
     """Raise a clear `CheckpointNotFoundError` when `path` is no folder at all."""
     if storage.exists(path):
         raise CheckpointNotFoundError(
