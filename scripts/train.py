@@ -231,7 +231,9 @@ def resume(
     if path is None:
         log.info("no checkpoint in '%s': starting from scratch", folder)
         return 0
-    state = checkpointer.load(path, module)
+    # Optimizer state too, even from a step-0 checkpoint (which by default loads weights only):
+    # saving a fresh AdamW gives it zero moments and a step count, which the resume must match.
+    state = checkpointer.load(path, module, load_optim_state=True)
     if state is None:
         raise RuntimeError(f"'{path}' holds no trainer state; cannot resume from it")
     sched.load_state_dict(state["scheduler"])

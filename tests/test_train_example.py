@@ -4,6 +4,7 @@ their final parameters compared bit for bit with an uninterrupted run."""
 from __future__ import annotations
 
 import re
+import shutil
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -91,4 +92,17 @@ def test_sigterm_saves_synchronously_then_resume_is_bit_identical(
     resumed = Run(str(config), "--save-folder", str(folder), "--steps", str(STEPS))
     assert int(resumed.wait_for(r"resuming from '.*step(\d+)'").group(1)) == step
     assert resumed.finish() == 0, resumed.output
+    assert_bit_identical(config, ref_final, folder / f"step{STEPS}")
+
+
+def test_resume_from_the_pre_train_checkpoint_is_bit_identical(
+    reference: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A run that died before its first checkpoint after step 0 resumes from step 0, optimizer
+    state included (saving gave the fresh optimizer zero moments and a step count)."""
+    config, ref_final = reference
+    folder = tmp_path / "ckpts"
+    shutil.copytree(ref_final.parent / "step0", folder / "step0")
+    out = train(config, folder, STEPS)
+    assert re.search(r"resuming from '.*step0' \(step 0\)", out), out
     assert_bit_identical(config, ref_final, folder / f"step{STEPS}")
