@@ -271,7 +271,7 @@ class Checkpointer:
         group = self.process_group
         threads = self.save_thread_count or _default_threads()
 
-        def write(folder: Path) -> dict[str, FileEntry]:
+        def write(folder: Path, durable: bool) -> dict[str, FileEntry]:
             rel = layout.trainer_state_file(dist.get_rank(group))
             error: Exception | None = None
             try:
@@ -281,8 +281,13 @@ class Checkpointer:
             dist.agree(error, f"writing trainer state under '{folder}'", group)
             fault_point("writing-shards")
             entries = {rel: FileEntry(size=len(trainer_bytes), crc32c=crc32c_bytes(trainer_bytes))}
+            # Staging for an upload (not durable): one shard file per upload thread.
+            shards = threads if durable else max(threads, self._storage_options.thread_count)
             entries.update(
-                save_state(state, folder / layout.MODEL_DIR, group=group, thread_count=threads)
+                save_state(
+                    state, folder / layout.MODEL_DIR, group=group, thread_count=shards,
+                    durable=durable,
+                )
             )
             return entries
 

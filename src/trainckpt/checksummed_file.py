@@ -69,8 +69,9 @@ class ChecksummedWriter:
 
 
 @contextmanager
-def checksummed_file(path: Path) -> Iterator[ChecksummedWriter]:
-    """Create `path` (refusing an existing file), yield its writer, then flush and fsync it.
+def checksummed_file(path: Path, *, fsync: bool = True) -> Iterator[ChecksummedWriter]:
+    """Create `path` (refusing an existing file), yield its writer, then flush and (unless
+    `fsync=False`, for a scratch copy) fsync it.
 
     The caller reads `writer.entry()` after the block: by then the bytes are durable.
     """
@@ -78,4 +79,5 @@ def checksummed_file(path: Path) -> Iterator[ChecksummedWriter]:
         writer = ChecksummedWriter(f)
         yield writer
         f.flush()
-        os.fsync(f.fileno())
+        if fsync:
+            os.fsync(f.fileno())

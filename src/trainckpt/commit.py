@@ -24,9 +24,11 @@ from .storage import Storage
 
 log = logging.getLogger(__name__)
 
-WriteFn = Callable[[Path], dict[str, FileEntry]]
-"""Writes this rank's files of the checkpoint under a local folder and returns them (relative
-path -> size and CRC32C). Called on all ranks; may run collectives on the commit's group."""
+WriteFn = Callable[[Path, bool], dict[str, FileEntry]]
+"""`write(folder, durable)` writes this rank's files of the checkpoint under a local folder and
+returns them (relative path -> size and CRC32C); with `durable`, each file is fsynced (staging
+copies that are uploaded next need not be). Called on all ranks; may run collectives on the
+commit's group."""
 
 PROBE_PREFIX = ".probe-"
 
@@ -116,7 +118,7 @@ def _write_and_rename(req: SaveRequest, write: WriteFn, tmp: str, token: str) ->
     )
 
     # 3. Every rank writes its files into `-tmp`, each fsynced. A failure on any rank stops all.
-    entries, error = _run_write(write, storage.local_path(tmp))
+    entries, error = _run_write(write, storage.local_path(tmp), durable=True)
     fault_point("after-shards")
     dist.agree(error, f"writing checkpoint files into '{tmp}'", group)
 
@@ -180,7 +182,8 @@ def _save_to_object_store(req: SaveRequest, write: WriteFn) -> str:
     staging = req.work_dir / f"staging-{uuid.uuid4().hex[:12]}"
     staging.mkdir(parents=True)
     try:
-        entries, error = _run_write(write, staging)
+        # Not fsynced: the uploaded objects are the copies that must last.
+        entries, error = _run_write(write, staging, durable=False)
         fault_point("after-shards")
         dist.agree(error, f"writing checkpoint files into '{staging}'", group)
 
@@ -220,9 +223,11 @@ def _prepare_prefix(storage: Storage, dir: str, overwrite: bool) -> None:
 # -- shared steps --------------------------------------------------------------------------------
 
 
-def _run_write(write: WriteFn, folder: Path) -> tuple[dict[str, FileEntry], Exception | None]:
+def _run_write(
+    write: WriteFn, folder: Path, *, durable: bool
+) -> tuple[dict[str, FileEntry], Exception | None]:
     try:
-        return write(folder), None
+        return write(folder, durable), None
     except Exception as e:  # shared with the other ranks by the caller
         return {}, e
 

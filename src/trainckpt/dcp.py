@@ -51,13 +51,14 @@ def save_state(
     *,
     group: dist.ProcessGroup | None,
     thread_count: int,
+    durable: bool = True,
 ) -> dict[str, FileEntry]:
     """Write `state` as a DCP folder and return the files this rank wrote (relative to the
-    folder's parent) with size and CRC32C.
+    folder's parent) with size and CRC32C; with `durable`, every file is fsynced.
 
     Called on: all ranks (DCP plans collectively; rank 0 also writes `.metadata`).
     """
-    writer = RecordingWriter(folder, thread_count=thread_count)
+    writer = RecordingWriter(folder, thread_count=thread_count, durable=durable)
     with _quiet_single_process(), _plain_errors(f"writing DCP state into '{folder}'", StorageError):
         dcp.save(
             state, storage_writer=writer, process_group=group, no_dist=not dist.is_distributed()

@@ -37,9 +37,9 @@ class RecordingWriter(FileSystemWriter):
     """DCP's storage writer for a local folder, writing shards in parallel and recording each
     file it wrote with size and CRC32C in `written`."""
 
-    def __init__(self, path: Path, thread_count: int) -> None:
+    def __init__(self, path: Path, thread_count: int, durable: bool = True) -> None:
         super().__init__(
-            path, single_file_per_rank=True, sync_files=True, thread_count=thread_count
+            path, single_file_per_rank=True, sync_files=durable, thread_count=thread_count
         )
         self.written: dict[str, FileEntry] = {}
 
@@ -69,7 +69,7 @@ class RecordingWriter(FileSystemWriter):
         ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
         ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
         results = []
-        with checksummed_file(Path(self.path) / name) as out:
+        with checksummed_file(Path(self.path) / name, fsync=self.sync_files) as out:
             for item in ordered:
                 data = _resolve(planner, item)
                 results.append(
