@@ -73,6 +73,16 @@ def test_one_run_keeps_permanent_and_drops_superseded_ephemeral(
     assert state == {"step": 25}
 
 
+def test_finish_waits_for_the_deletions_the_last_async_commit_allows(
+    checkpointer: Checkpointer, tmp_path: Path
+) -> None:
+    folder = tmp_path / "ckpts"
+    for _ in range(3):  # the last save is async and its commit deletes step 2: every time
+        run(checkpointer, folder, CheckpointPolicy(ephemeral_save_interval=2), range(1, 5))
+        assert kinds(folder) == {4: "eph"}
+        Checkpointer.delete(folder / "step4")
+
+
 def test_changed_intervals_on_resume_delete_no_permanent_checkpoint(
     checkpointer: Checkpointer, tmp_path: Path
 ) -> None:

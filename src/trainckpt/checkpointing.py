@@ -176,10 +176,11 @@ class Checkpointing:
                 time.perf_counter() - save.started,
             )
             self._pending = save
-            future.add_done_callback(lambda f: self._on_done(save, f))
+            future.add_done_callback(lambda f: _log_failure(save, f))
+            self._after_commit(save, future)
         else:
             self.checkpointer.save(path, train_module, state, ephemeral=ephemeral)
-            self._on_committed(save)
+            self._after_commit(save, None)
         self._saved[step] = path
         self._last_saved = step
         return path
@@ -198,25 +199,28 @@ class Checkpointing:
                 f"'{self.save_folder}' are kept. Fix the cause, then resume from the latest one"
             ) from e
 
-    def _on_done(self, save: _Save, future: Future[str]) -> None:
-        """Runs on the save thread when an async save ends."""
-        error = future.exception()
-        if error is not None:
-            log.error(
-                "checkpoint event: %s checkpoint '%s' failed (%s); earlier checkpoints are kept",
-                save.kind.value,
-                save.path,
-                error,
-            )
-            return
-        self._on_committed(save)
-
-    def _on_committed(self, save: _Save) -> None:
-        """Rank 0: log the commit, then delete (off this thread) what the policy drops."""
+    def _after_commit(self, save: _Save, future: Future[str] | None) -> None:
+        """Rank 0: once `save` is committed (`future` resolved, when async), log it and delete
+        what the policy drops, on the retention thread. Queued now, so `finish()` waits for it."""
         if self._remover is None:
             return
-        seconds = time.perf_counter() - save.started
-        self._remover.submit(before=lambda: _log_committed(save, seconds))
+
+        def log_commit() -> None:
+            _log_committed(save, time.perf_counter() - save.started)
+
+        self._remover.submit(before=log_commit, after=future)
+
+
+def _log_failure(save: _Save, future: Future[str]) -> None:
+    """Runs on the save thread when an async save ends; logs a failure when it happens."""
+    error = future.exception()
+    if error is not None:
+        log.error(
+            "checkpoint event: %s checkpoint '%s' failed (%s); earlier checkpoints are kept",
+            save.kind.value,
+            save.path,
+            error,
+        )
 
 
 def _committed_steps(folder: str) -> dict[int, str]:

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from . import layout
 from .checkpointer import Checkpointer
@@ -100,11 +101,19 @@ class Remover:
         self._rounds: list[Future[list[str]]] = []
         self._lock = threading.Lock()
 
-    def submit(self, before: Callable[[], None] | None = None) -> Future[list[str]]:
-        """Queue a deletion round (after `before`, e.g. logging the commit that triggered it);
-        its future holds the deleted paths or the round's error."""
+    def submit(
+        self, before: Callable[[], None] | None = None, after: Future[Any] | None = None
+    ) -> Future[list[str]]:
+        """Queue a deletion round; its future holds the deleted paths or the round's error.
+
+        With `after` (a save in flight), the round first waits on this thread for that save
+        and is dropped if it failed: nothing is deleted unless its replacement is committed.
+        `before` runs just before the deletions (e.g. logging the commit that triggered them).
+        """
 
         def round_() -> list[str]:
+            if after is not None and after.exception() is not None:
+                return []
             if before is not None:
                 before()
             try:
