@@ -1,0 +1,420 @@
+#!/usr/bin/env python
+"""Checkpoint benchmark: trainckpt against the disk's limit, torch.save, plain DCP and OLMo-core.
+
+Every contender saves and loads the same state (a model plus AdamW moments, `--size-mb` in
+all) in one run; contenders alternate (the order rotates every repeat) and each number is the
+median of `--repeats` runs with its min–max. Loads are cold (page cache dropped) when this
+process may drop it (root), else warm, and the table says which. Each load is checked: the
+model and optimizer are zeroed before it and must match the saved state after it.
+
+    python scripts/bench.py                      # ~1.2 GB state, 3 repeats, with the GCS part
+    python scripts/bench.py --size-mb 64 --repeats 1 --no-gcs --json out.json
+
+The GCS part runs against fake-gcs-server on 127.0.0.1 (`scripts/bench_gcs.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import Timer, fingerprint, make_module, state_tensors, zero_state  # noqa: E402
+
+from trainckpt import Checkpointer, CheckpointerConfig, ModelAndOptim  # noqa: E402
+
+TRAIN_STATE = {"step": 1, "note": "bench"}
+CONTENDERS = ("raw", "torch", "dcp", "olmo", "trainckpt", "async")
+ASYNC_BLOCKED = "trainckpt save_async: call blocks"
+ASYNC_COMMITTED = "trainckpt save_async: until committed"
+
+
+# -- the page cache --------------------------------------------------------------------------
+
+
+def drop_page_cache() -> bool:
+    """Write dirty pages out and drop the page cache; False when not permitted (not root)."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+# -- contenders --------------------------------------------------------------------------------
+
+
+@dataclass
+class Contender:
+    """One way to save and load the state. `save`/`load` take the target folder."""
+
+    save_label: str
+    load_label: str
+    save: Callable[[Path], None]
+    load: Callable[[Path], None]
+
+
+def raw_floor(module: ModelAndOptim) -> Contender:
+    """The same bytes in one file, `write` + `fsync`; read back with `readinto` in place."""
+
+    def save(folder: Path) -> None:
+        folder.mkdir(parents=True)
+        with open(folder / "raw.bin", "wb", buffering=0) as f:
+            for _, t in state_tensors(module.state_dict_to_save()):
+                f.write(memoryview(t.numpy()).cast("B"))
+            os.fsync(f.fileno())
+
+    def load(folder: Path) -> None:
+        with open(folder / "raw.bin", "rb", buffering=0) as f:
+            for _, t in state_tensors(module.state_dict_to_save()):
+                view = memoryview(t.numpy()).cast("B")
+                got = 0
+                while got < len(view):
+                    got += f.readinto(view[got:]) or _eof(folder)
+
+    return Contender("raw write+fsync", "raw read", save, load)
+
+
+def _eof(folder: Path) -> int:
+    raise RuntimeError(f"{folder}/raw.bin is shorter than the state")
+
+
+def torch_save(module: ModelAndOptim) -> Contender:
+    def save(folder: Path) -> None:
+        folder.mkdir(parents=True)
+        with open(folder / "state.pt", "wb") as f:
+            torch.save(module.state_dict_to_save(), f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def load(folder: Path) -> None:
+        state = torch.load(folder / "state.pt", weights_only=True, map_location="cpu")
+        module.load_state_dict(state)
+
+    return Contender("torch.save+fsync", "torch.load", save, load)
+
+
+def plain_dcp(module: ModelAndOptim) -> Contender:
+    import torch.distributed.checkpoint as dcp
+
+    def save(folder: Path) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(module.state_dict_to_save(), checkpoint_id=str(folder))
+
+    def load(folder: Path) -> None:
+        reader = dcp.FileSystemReader(str(folder))
+        state = module.state_dict_to_load(reader.read_metadata(), optim=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(state, checkpoint_id=str(folder))
+        module.load_state_dict(state)
+
+    return Contender("plain DCP save", "plain DCP load", save, load)
+
+
+def olmo_core(module: ModelAndOptim, work_dir: Path) -> Contender | None:
+    try:
+        from olmo_core.train.checkpoint import Checkpointer as OlmoCheckpointer
+    except ImportError:
+        return None
+    ckpt = OlmoCheckpointer(work_dir=work_dir)
+
+    def save(folder: Path) -> None:
+        ckpt.save(str(folder), module, TRAIN_STATE)
+
+    def load(folder: Path) -> None:
+        ckpt.load(str(folder), module)
+
+    return Contender("OLMo-core save", "OLMo-core load", save, load)
+
+
+def trainckpt_sync(module: ModelAndOptim, ckpt: Checkpointer) -> Contender:
+    def save(folder: Path) -> None:
+        ckpt.save(folder, module, TRAIN_STATE)
+
+    def load(folder: Path) -> None:
+        ckpt.load(folder, module)
+
+    return Contender("trainckpt save", "trainckpt load", save, load)
+
+
+@dataclass
+class AsyncTimes:
+    """Seconds `save_async` blocked the caller, per run."""
+
+    blocked: list[float] = field(default_factory=list)
+
+
+def trainckpt_async(module: ModelAndOptim, ckpt: Checkpointer, times: AsyncTimes) -> Contender:
+    """`save` is timed until committed; the time the call itself blocked goes to `times`."""
+
+    def save(folder: Path) -> None:
+        start = time.perf_counter()
+        future = ckpt.save_async(folder, module, TRAIN_STATE)
+        times.blocked.append(time.perf_counter() - start)
+        future.result()
+
+    def load(folder: Path) -> None:
+        ckpt.load(folder, module)
+
+    return Contender(ASYNC_COMMITTED, "trainckpt load (after save_async)", save, load)
+
+
+# -- running -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Samples:
+    save: list[float] = field(default_factory=list)
+    load: list[float] = field(default_factory=list)
+
+
+def run(
+    contenders: list[Contender], module: ModelAndOptim, root: Path, repeats: int
+) -> tuple[dict[str, Samples], bool]:
+    """Alternate the contenders `repeats` times (rotating the order); time saves and loads."""
+    expected = fingerprint(module)
+    samples = {c.save_label: Samples() for c in contenders}
+    cold = True
+    for r in range(repeats):
+        order = contenders[r % len(contenders) :] + contenders[: r % len(contenders)]
+        for c in order:
+            folder = root / f"c{contenders.index(c)}-r{r}" / "step1"
+            cold = drop_page_cache() and cold
+            with Timer() as t:
+                c.save(folder)
+            samples[c.save_label].save.append(t.seconds)
+            zero_state(module)
+            cold = drop_page_cache() and cold
+            with Timer() as t:
+                c.load(folder)
+            samples[c.save_label].load.append(t.seconds)
+            got = fingerprint(module)
+            if got != expected:
+                raise RuntimeError(f"{c.load_label}: the loaded state differs from the saved")
+            shutil.rmtree(folder.parent)
+            took = samples[c.save_label]
+            print(f"  repeat {r + 1}/{repeats} {c.save_label}: save {took.save[-1]:.2f}s "
+                  f"load {took.load[-1]:.2f}s", flush=True)
+    return samples, cold
+
+
+def async_matches_sync(module: ModelAndOptim, ckpt: Checkpointer, root: Path) -> bool:
+    """Save once with `save` and once with `save_async`: every file but DCP's `.metadata`
+    (which holds a random save id and the folder's path) must have equal size and CRC32C."""
+    a, b = root / "cmp-sync" / "step1", root / "cmp-async" / "step1"
+    ckpt.save(a, module, TRAIN_STATE)
+    ckpt.save_async(b, module, TRAIN_STATE).result()
+    files = []
+    for folder in (a, b):
+        manifest = json.loads((folder / ".manifest.json").read_text())["files"]
+        files.append({k: v for k, v in manifest.items() if not k.endswith("/.metadata")})
+    shutil.rmtree(a.parent)
+    shutil.rmtree(b.parent)
+    return files[0] == files[1] and len(files[0]) > 1
+
+
+# -- reporting ---------------------------------------------------------------------------------
+
+
+def summary(xs: list[float]) -> dict[str, Any]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "samples": xs}
+
+
+def rows(
+    contenders: list[Contender], samples: dict[str, Samples], blocked: list[float]
+) -> dict[str, dict[str, Any]]:
+    """Table rows in display order: each contender's save then load."""
+    out: dict[str, dict[str, Any]] = {}
+    for c in contenders:
+        if c.save_label == ASYNC_COMMITTED:
+            out[ASYNC_BLOCKED] = summary(blocked)
+        out[c.save_label] = summary(samples[c.save_label].save)
+        out[c.load_label] = summary(samples[c.save_label].load)
+    return out
+
+
+def table(results: dict[str, dict[str, Any]], nbytes: int, cold: bool) -> str:
+    raw_save = results.get("raw write+fsync", {}).get("median")
+    raw_load = results.get("raw read", {}).get("median")
+    olmo_save = results.get("OLMo-core save", {}).get("median")
+    olmo_load = results.get("OLMo-core load", {}).get("median")
+    head = (
+        f"{'operation':<40} {'median s':>9} {'min–max s':>13} {'GB/s':>6} "
+        f"{'× raw':>6} {'× OLMo':>7}"
+    )
+    lines = [head, "-" * len(head)]
+    for label, r in results.items():
+        is_load = "load" in label or "read" in label
+        raw = raw_load if is_load else raw_save
+        olmo = olmo_load if is_load else olmo_save
+        med = r["median"]
+        lines.append(
+            f"{label:<40} {med:>9.2f} {r['min']:>6.2f}–{r['max']:<6.2f} "
+            f"{nbytes / med / 1e9:>6.2f} {_ratio(med, raw):>6} {_ratio(med, olmo):>7}"
+        )
+    lines.append(
+        f"(loads {'cold: page cache dropped before each' if cold else 'WARM: cache not dropped'}"
+        "; × = time relative to that row's reference, lower is faster)"
+    )
+    return "\n".join(lines)
+
+
+def _ratio(x: float, ref: float | None) -> str:
+    return f"{x / ref:.2f}" if ref else "–"
+
+
+def import_times(repeats: int = 5) -> dict[str, Any]:
+    """Seconds for `import torch`, and for `import trainckpt` after it, in fresh processes."""
+    code = (
+        "import time;t=time.perf_counter();import torch;a=time.perf_counter();"
+        "import trainckpt;b=time.perf_counter();print(a-t,b-a)"
+    )
+    torch_s, extra_s = [], []
+    for _ in range(repeats):
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        )
+        a, b = (float(x) for x in out.stdout.split())
+        torch_s.append(a)
+        extra_s.append(b)
+    return {"import torch": summary(torch_s), "import trainckpt after torch": summary(extra_s)}
+
+
+def machine(root: Path) -> dict[str, Any]:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    fs = subprocess.run(["df", "-T", str(root)], capture_output=True, text=True).stdout.split("\n")
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(mem, 1),
+        "filesystem": fs[1].split()[1] if len(fs) > 1 and fs[1] else "unknown",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "load_average_at_start": os.getloadavg(),
+    }
+
+
+# -- main ------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size-mb", type=float, default=1200.0, help="state size (model + 2 moments)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
+    p.add_argument("--json", type=Path, default=None, help="also write the numbers here")
+    p.add_argument("--import-repeats", type=int, default=5, help="fresh processes timing imports")
+    p.add_argument("--only", default="", help=f"comma-separated subset of {','.join(CONTENDERS)}")
+    p.add_argument("--no-gcs", action="store_true", help="skip the fake-gcs-server part")
+    p.add_argument("--gcs-size-mb", type=float, default=200.0)
+    p.add_argument("--gcs-checkpoints", type=int, default=200)
+    args = p.parse_args(argv)
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    # DCP says on every single-process call that it assumes a single process; it is right.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+    root = Path(tempfile.mkdtemp(prefix="trainckpt-bench-", dir=args.dir))
+    try:
+        report = _bench(args, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def _bench(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    module = make_module(args.size_mb)
+    tensors = [t for _, t in state_tensors(module.state_dict_to_save())]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    info = machine(root)
+    print(f"state: {nbytes / 1e9:.3f} GB in {len(tensors)}"
+          f" tensors; {info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB, "
+          f"{info['filesystem']} at {root}", flush=True)
+
+    ckpt = CheckpointerConfig(work_dir=root / "work").build()
+    blocked = AsyncTimes()
+    wanted = set(args.only.split(",")) if args.only else set(CONTENDERS)
+    contenders = []
+    notes = []
+    for key in CONTENDERS:
+        if key not in wanted:
+            continue
+        if key == "olmo":
+            olmo = olmo_core(module, root / "olmo-work")
+            if olmo is None:
+                notes.append("OLMo-core not installed (pip install trainckpt[bench]): skipped")
+                continue
+            contenders.append(olmo)
+        elif key == "async":
+            contenders.append(trainckpt_async(module, ckpt, blocked))
+        elif key == "trainckpt":
+            contenders.append(trainckpt_sync(module, ckpt))
+        else:
+            simple = {"raw": raw_floor, "torch": torch_save, "dcp": plain_dcp}
+            contenders.append(simple[key](module))
+
+    samples, cold = run(contenders, module, root, args.repeats)
+    identical = async_matches_sync(module, ckpt, root) if "async" in wanted else None
+    ckpt.close()
+    results = rows(contenders, samples, blocked.blocked)
+    report: dict[str, Any] = {
+        "machine": info,
+        "state_bytes": nbytes,
+        "repeats": args.repeats,
+        "loads": "cold" if cold else "warm",
+        "results": results,
+        "async_files_identical_to_sync": identical,
+        "notes": notes,
+    }
+    print()
+    print(table(results, nbytes, cold))
+    print(f"save_async files identical to save's (size + CRC32C): {identical}")
+
+    report["import"] = import_times(args.import_repeats)
+    imp = report["import"]
+    print(
+        f"import torch: {imp['import torch']['median']:.2f}s; import trainckpt after torch: "
+        f"+{imp['import trainckpt after torch']['median']:.2f}s "
+        f"(median of {args.import_repeats})"
+    )
+
+    if not args.no_gcs:
+        from bench_gcs import bench_gcs
+
+        report["gcs"] = bench_gcs(args.gcs_size_mb, args.gcs_checkpoints, args.repeats, root)
+    for note in notes:
+        print(f"note: {note}")
+    report["machine"]["load_average_at_end"] = os.getloadavg()
+    return report
+
+
+if __name__ == "__main__":
+    sys.exit(main())
