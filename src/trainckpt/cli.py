@@ -147,12 +147,12 @@ def cmd_prune(args: argparse.Namespace) -> int:
     for d in plan.decisions:
         if not d.delete:
             print(f"keep          {d.entry.name:<16} {d.reason}")
-    verb = "would delete" if args.dry_run else "deleting"
-    for d in plan.decisions:
-        if d.delete:
-            print(f"{verb:<13} {d.entry.name:<16} {d.reason}, {human_size(d.entry.size)}")
-    if not args.dry_run:
-        apply_prune(plan, on_deleted=lambda e: print(f"deleted       {e.name}"))
+    why = {d.entry.path: f"{d.reason}, {human_size(d.entry.size)}" for d in plan.decisions}
+    if args.dry_run:
+        for e in plan.to_delete:
+            print(f"would delete  {e.name:<16} {why[e.path]}")
+    else:
+        apply_prune(plan, on_deleted=lambda e: print(f"deleted       {e.name:<16} {why[e.path]}"))
     n, size = len(plan.to_delete), human_size(plan.freed_bytes)
     if args.dry_run:
         print(f"dry run: would delete {n} folder(s), {size}; nothing was deleted")

@@ -19,9 +19,9 @@ from typing import Any, Literal
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .checkpointer import _dcp_folder
 from .dcp import load_full_state, read_dcp_metadata
 from .errors import CheckpointExistsError, CheckpointNotFoundError, ConfigurationError
+from .inventory import checkpoint_dcp_folder
 from .storage import resolve
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ def export_checkpoint(
         raise CheckpointExistsError(f"'{dst}' already exists; pass --overwrite to replace it")
     if fmt == "safetensors":
         _require_safetensors()
-    folder = _dcp_folder(src_storage, src)
+    folder = checkpoint_dcp_folder(src_storage, src)
     metadata = read_dcp_metadata(src_storage, folder)
     prefix = MODEL_PREFIX if model_only else ""
     if not any(k.startswith(prefix) for k in metadata.state_dict_metadata):

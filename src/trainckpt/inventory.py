@@ -225,10 +225,7 @@ def describe_checkpoint(ckpt: str) -> CheckpointReport:
     """Summarise one checkpoint (or a bare DCP folder). Raises `CheckpointNotFoundError` when
     `ckpt` is neither, naming the newest checkpoint inside it when it is a save folder."""
     storage, path = resolve(ckpt)
-    try:
-        dcp_folder = _dcp_folder(storage, path)
-    except CheckpointNotFoundError as e:
-        raise _not_a_checkpoint(path, e) from e
+    dcp_folder = checkpoint_dcp_folder(storage, path)
     notes: list[str] = []
     metadata: CheckpointMetadata | None = None
     if storage.exists(storage.join(path, layout.METADATA_FILE)):
@@ -265,8 +262,27 @@ def describe_checkpoint(ckpt: str) -> CheckpointReport:
     )
 
 
-def _not_a_checkpoint(path: str, cause: CheckpointNotFoundError) -> CheckpointNotFoundError:
-    """A clearer error when `path` is a save folder rather than one checkpoint."""
+def checkpoint_dcp_folder(storage: Storage, path: str) -> str:
+    """The DCP folder of checkpoint `path`. When `path` is no checkpoint, the error says
+    whether it does not exist or is a save folder (naming its newest checkpoint)."""
+    try:
+        return _dcp_folder(storage, path)
+    except CheckpointNotFoundError as e:
+        raise _not_a_checkpoint(storage, path, e) from e
+
+
+def _not_a_checkpoint(
+    storage: Storage, path: str, cause: CheckpointNotFoundError
+) -> CheckpointNotFoundError:
+    try:
+        listing = storage.list_dir(path)
+    except FileNotFoundError:
+        listing = None
+    if listing is None or (not listing.dirs and not listing.files):
+        return CheckpointNotFoundError(
+            f"'{path}' does not exist (or is empty): check the path; "
+            "`trainckpt ls FOLDER` lists the checkpoints of a save folder"
+        )
     try:
         latest = Checkpointer.latest_checkpoint(path)
     except CheckpointError:
