@@ -179,13 +179,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if step == 0:
             driver.maybe_save(0, module, trainer_state)  # pre-train checkpoint, if the policy wants
-        log.info(
-            "training steps %d..%d on %d rank(s), saving to '%s'",
-            step + 1,
-            cfg.train.steps,
-            world,
-            cfg.save_folder,
-        )
+        if step >= cfg.train.steps:
+            log.info("already at step %d (steps: %d): nothing to train", step, cfg.train.steps)
+        else:
+            log.info(
+                "training steps %d..%d on %d rank(s), saving to '%s'",
+                step + 1,
+                cfg.train.steps,
+                world,
+                cfg.save_folder,
+            )
         start = time.perf_counter()
         while step < cfg.train.steps and not stop.agreed(world):
             step += 1
