@@ -33,12 +33,14 @@ TrainState = dict[str, Any] | Callable[[], dict[str, Any]]
 """Trainer state, or a function building it (called only when a checkpoint is saved)."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Save:
     step: int
     path: str
     kind: SaveKind
     started: float
+    ended: float | None = None
+    """When the save ended (set on the save thread), for the commit event's seconds and MB/s."""
 
 
 class Checkpointing:
@@ -176,10 +178,11 @@ class Checkpointing:
                 time.perf_counter() - save.started,
             )
             self._pending = save
-            future.add_done_callback(lambda f: _log_failure(save, f))
+            future.add_done_callback(lambda f: _on_done(save, f))
             self._after_commit(save, future)
         else:
             self.checkpointer.save(path, train_module, state, ephemeral=ephemeral)
+            save.ended = time.perf_counter()
             self._after_commit(save, None)
         self._saved[step] = path
         self._last_saved = step
@@ -206,13 +209,14 @@ class Checkpointing:
             return
 
         def log_commit() -> None:
-            _log_committed(save, time.perf_counter() - save.started)
+            _log_committed(save, (save.ended or time.perf_counter()) - save.started)
 
         self._remover.submit(before=log_commit, after=future)
 
 
-def _log_failure(save: _Save, future: Future[str]) -> None:
-    """Runs on the save thread when an async save ends; logs a failure when it happens."""
+def _on_done(save: _Save, future: Future[str]) -> None:
+    """Runs on the save thread when an async save ends: note the time; log a failure now."""
+    save.ended = time.perf_counter()
     error = future.exception()
     if error is not None:
         log.error(
