@@ -283,3 +283,23 @@ def test_two_ranks_agree_on_corruption(tmp_path):
         assert len(r["errors"]) == 2
         assert str(tmp_path / "run" / "step2" / "train" / "rank1.pt") in r["errors"][0]
         assert "step3/model_and_optim/__" in r["errors"][1]
+
+
+# -- a storage that cannot list (HTTP) ------------------------------------------------------------
+
+
+def test_verify_and_load_over_http_check_each_manifest_file(http_folder, tmp_path):
+    root, url = http_folder
+    c = _build(tmp_path, verify_on_load="full")
+    c.save(root / "step1", make_module(steps=1), {"step": 1})
+    report = Checkpointer.verify(f"{url}/step1", deep=True)
+    assert report.ok and report.files_checked == len(read_manifest(root / "step1")["files"])
+    dst = fresh_module()
+    assert c.load(f"{url}/step1", dst) == {"step": 1}
+    assert_same_state(make_module(steps=1), dst)
+
+    shard = shards(root / "step1")[0]
+    truncate(shard)
+    report = Checkpointer.verify(f"{url}/step1")
+    assert not report.ok and f"{url}/step1/model_and_optim/{shard.name}" in report.problems[0]
+    _untouched_load_fails(c, f"{url}/step1", shard.name)
