@@ -179,7 +179,7 @@ def test_ls_and_latest_errors(template: tuple[Path, dict], tmp_path: Path):
     assert_one_line_error(run_cli("ls", str(missing)), str(missing), "does not exist")
     assert_one_line_error(run_cli("latest", str(missing)), str(missing), "does not exist")
 
-    debug = run_cli("ls", str(missing), "--debug")
+    debug = run_cli("--debug", "ls", str(missing))
     assert debug.returncode == 2 and "Traceback" in debug.stderr
 
     empty = tmp_path / "empty"
@@ -187,6 +187,16 @@ def test_ls_and_latest_errors(template: tuple[Path, dict], tmp_path: Path):
     none = run_cli("latest", str(empty))
     assert none.returncode == 1 and none.stdout == ""
     assert str(empty) in none.stderr and "no committed checkpoint" in none.stderr
+
+
+def test_debug_and_verbose_flags_work_before_or_after_the_subcommand():
+    from trainckpt.cli import build_parser
+
+    parser = build_parser()
+    for argv in (["--debug", "ls", "x"], ["ls", "x", "--debug"], ["ls", "--debug", "x"]):
+        assert parser.parse_args(argv).debug is True, argv
+    assert parser.parse_args(["ls", "x"]).debug is False
+    assert parser.parse_args(["-v", "prune", "x", "-k", "1"]).verbose is True
 
 
 def test_latest_prints_newest_committed(template: tuple[Path, dict]):

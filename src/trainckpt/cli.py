@@ -265,9 +265,18 @@ def _table(header: list[str], rows: list[list[str]], *, right: set[str], indent:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # --debug/-v work before or after the subcommand: the subcommands' copies default to
+    # SUPPRESS, so they do not reset a flag given before the subcommand.
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
-    common.add_argument("-v", "--verbose", action="store_true", help="show the library's logs")
+    common.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="show tracebacks and debug logs",
+    )
+    common.add_argument(
+        "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="show logs"
+    )
     bar = argparse.ArgumentParser(add_help=False)
     bar.add_argument(
         "--progress",
@@ -283,9 +292,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trainckpt",
         description="Look after trainckpt (and OLMo-core) checkpoint folders.",
-        parents=[common],
     )
     parser.add_argument("--version", action="version", version=f"trainckpt {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show logs")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(
