@@ -18,7 +18,6 @@ import torch
 
 from . import dist, layout
 from .commit import SaveRequest, is_committed, save_checkpoint
-from .dcp import load_state, read_dcp_metadata, save_state
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -272,6 +271,8 @@ class Checkpointer:
         threads = self.save_thread_count or _default_threads()
 
         def write(folder: Path, durable: bool) -> dict[str, FileEntry]:
+            from .dcp import save_state  # imported on first use: DCP takes ~1 s to import
+
             rel = layout.trainer_state_file(dist.get_rank(group))
             error: Exception | None = None
             try:
@@ -336,6 +337,8 @@ class Checkpointer:
         if load_optim_state is None and layout.parse_step(storage.name(path)) == 0:
             log.info("'%s' is a step-0 (seed) checkpoint: loading model weights only", path)
             load_optim_state = False
+        from .dcp import load_state, read_dcp_metadata  # imported on first use: slow to import
+
         metadata = read_dcp_metadata(storage, dcp_folder)
         state = train_module.state_dict_to_load(metadata, optim=load_optim_state)
         trainer_state = _exclude(state, trainer_state, exclude, path)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,8 @@ class Stager:
         return sum(t.numel() * t.element_size() for t in self._buffers.values())
 
     def _copy(self, obj: Any, path: str, used: set[str]) -> Any:
-        if isinstance(obj, DTensor):
+        DTensor = _dtensor_type()
+        if DTensor is not None and isinstance(obj, DTensor):
             local = self._copy_tensor(obj.to_local(), path, used)
             return DTensor.from_local(
                 local,
@@ -76,3 +77,10 @@ class Stager:
             self._buffers[path] = buf
         buf.copy_(t, non_blocking=t.is_cuda)
         return buf
+
+
+def _dtensor_type() -> Any:
+    """`DTensor` if it was imported (no DTensor can exist otherwise), else None: importing it
+    takes about a second, which `import trainckpt` should not cost."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)

@@ -5,23 +5,44 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from .errors import CheckpointError, ConfigurationError
 
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+
 log = logging.getLogger(__name__)
 
-_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+def _sd() -> Any:
+    """`torch.distributed.checkpoint.state_dict`, imported on first use: importing DCP (and
+    DTensor with it) takes about a second, which `import trainckpt` should not cost."""
+    import torch.distributed.checkpoint.state_dict as sd
+
+    return sd
+
+
+def _opts() -> Any:
+    return _sd().StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def get_model_state_dict(*args: Any, **kwargs: Any) -> Any:
+    return _sd().get_model_state_dict(*args, **kwargs)
+
+
+def get_optimizer_state_dict(*args: Any, **kwargs: Any) -> Any:
+    return _sd().get_optimizer_state_dict(*args, **kwargs)
+
+
+def set_model_state_dict(*args: Any, **kwargs: Any) -> Any:
+    return _sd().set_model_state_dict(*args, **kwargs)
+
+
+def set_optimizer_state_dict(*args: Any, **kwargs: Any) -> Any:
+    return _sd().set_optimizer_state_dict(*args, **kwargs)
 
 
 @runtime_checkable
@@ -102,13 +123,13 @@ class ModelAndOptim:
                 seen[name] = i
 
     def _model_state(self) -> dict[str, Any]:
-        return {k: v for p in self.parts for k, v in get_model_state_dict(p, options=_OPTIONS).items()}
+        return {k: v for p in self.parts for k, v in get_model_state_dict(p, options=_opts()).items()}
 
     def _optim_state(self) -> dict[str, Any]:
         return {
             k: v
             for p, o in zip(self.parts, self.optims)
-            for k, v in get_optimizer_state_dict(p, o, options=_OPTIONS).items()
+            for k, v in get_optimizer_state_dict(p, o, options=_opts()).items()
         }
 
     def state_dict_to_save(self) -> dict[str, Any]:
@@ -143,12 +164,12 @@ class ModelAndOptim:
         optim_sd = state_dict.get("optim") if self.optims else None
         for i, part in enumerate(self.parts):
             if model_sd is not None:
-                own = get_model_state_dict(part, options=_OPTIONS).keys()
-                set_model_state_dict(part, {k: model_sd[k] for k in own}, options=_OPTIONS)
+                own = get_model_state_dict(part, options=_opts()).keys()
+                set_model_state_dict(part, {k: model_sd[k] for k in own}, options=_opts())
             if optim_sd is not None:
-                own = get_optimizer_state_dict(part, self.optims[i], options=_OPTIONS).keys()
+                own = get_optimizer_state_dict(part, self.optims[i], options=_opts()).keys()
                 set_optimizer_state_dict(
-                    part, self.optims[i], {k: optim_sd[k] for k in own}, options=_OPTIONS
+                    part, self.optims[i], {k: optim_sd[k] for k in own}, options=_opts()
                 )
 
 
