@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             path = driver.save(step, module, trainer_state, ephemeral=True)
             log.warning("SIGTERM: saved checkpoint '%s' at step %d; exiting", path, step)
             return SIGTERM_EXIT
-        driver.save(step, module, trainer_state)  # the final checkpoint, permanent
+        driver.save_final(step, module, trainer_state)  # permanent; policy.final_save says what
     finally:
         try:
             driver.finish()

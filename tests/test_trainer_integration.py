@@ -141,9 +141,9 @@ def test_weights_only_bfloat16_final_checkpoint(ckpt, tmp_path):
 
 
 def _load_seed_fsdp(rank: int, world: int, seed_dir: str) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     torch.manual_seed(100 + rank)
     model = TinyNet()
@@ -180,3 +180,25 @@ def test_step0_checkpoint_loads_model_weights_only_by_default(ckpt, tmp_path):
         assert torch.equal(v, optim_before[k]), k
     ckpt.load(seed, dst, load_optim_state=True)  # asked for explicitly: loaded
     assert_same_state(src, dst)
+
+
+def test_policy_final_save_model_only_bfloat16(ckpt, tmp_path):
+    from trainckpt import CheckpointPolicy, Checkpointing
+
+    policy = CheckpointPolicy(
+        save_interval=5, save_async=False, final_save="model_only", final_dtype="bfloat16"
+    )
+    module = make_module(seed=10)
+    driver = Checkpointing(ckpt, policy, tmp_path / "run")
+    driver.maybe_save(5, module, {"step": 5})
+    final = driver.save_final(7, module, {"step": 7})
+    driver.finish()
+
+    assert Checkpointer.latest_checkpoint(tmp_path / "run") == final
+    assert Checkpointer.read_metadata(final).ephemeral is False
+    bf16 = ModelAndOptim(TinyNet().to(torch.bfloat16))
+    assert ckpt.load(final, bf16) == {"step": 7}
+    for k, v in bf16.model.state_dict().items():
+        assert torch.equal(v, module.model.state_dict()[k].to(torch.bfloat16)), k
+    with pytest.raises(ConfigurationError, match="final_dtype"):
+        CheckpointPolicy.validated({"final_dtype": "bfloat16"})

@@ -18,14 +18,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from . import dist, layout
 from .checkpointer import Checkpointer
-from .errors import CheckpointError
+from .errors import CheckpointError, ConfigurationError
 from .policy import CheckpointPolicy, SaveKind
 from .records import CheckpointManifest
 from .retention import Remover
 from .storage import resolve
-from .train_module import TrainModule
+from .train_module import ModelAndOptim, ModelWeights, TrainModule
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +117,24 @@ class Checkpointing:
         if self._pending is not None and self._pending.step == step:
             self._collect_pending()
         return path
+
+    def save_final(self, step: int, train_module: TrainModule, train_state: TrainState) -> str:
+        """Save the last checkpoint of the run, permanent, as the policy's `final_save` says:
+        the full state, or (`model_only`) the model weights cast to `final_dtype`. Either way
+        a normal committed checkpoint. Returns its path.
+
+        Called on: all ranks.
+        """
+        if self.policy.final_save == "model_only":
+            if not isinstance(train_module, ModelAndOptim):
+                raise ConfigurationError(
+                    "final_save='model_only' needs a ModelAndOptim train module (got "
+                    f"{type(train_module).__name__}); save ModelWeights-like state yourself or "
+                    "use final_save='full'"
+                )
+            dtype = getattr(torch, self.policy.final_dtype) if self.policy.final_dtype else None
+            train_module = ModelWeights(train_module, dtype)
+        return self.save(step, train_module, train_state)
 
     def finish(self) -> None:
         """Wait for the in-flight save and every deletion; raise `CheckpointError` for a save

@@ -81,6 +81,12 @@ class CheckpointPolicy(BaseModel):
     the newest checkpoint; `never` deletes nothing."""
     save_async: bool = True
     """Write checkpoints in the background after staging them in CPU memory."""
+    final_save: Literal["full", "model_only"] = "full"
+    """What the final checkpoint of a run holds (`Checkpointing.save_final`): everything, or
+    the model weights only (smaller; for evaluation and release, not for resuming training)."""
+    final_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """With `final_save: model_only`, cast floating-point weights to this dtype (None keeps
+    them as they are)."""
 
     @model_validator(mode="after")
     def _check_combination(self) -> CheckpointPolicy:
@@ -103,6 +109,11 @@ class CheckpointPolicy(BaseModel):
             raise ValueError(
                 f"ephemeral_cooldown={self.ephemeral_cooldown} has no effect without "
                 "ephemeral_save_interval; set ephemeral_save_interval or drop ephemeral_cooldown"
+            )
+        if self.final_dtype is not None and self.final_save != "model_only":
+            raise ValueError(
+                f"final_dtype={self.final_dtype} applies only to final_save='model_only' "
+                f"(final_save is '{self.final_save}'); set final_save or drop final_dtype"
             )
         if any(s < 0 for s in self.fixed_steps):
             raise ValueError(f"fixed_steps must be steps >= 0, got {list(self.fixed_steps)}")
