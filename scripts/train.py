@@ -234,9 +234,8 @@ def resume(
     if path is None:
         log.info("no checkpoint in '%s': starting from scratch", folder)
         return 0
-    # Optimizer state too, even from a step-0 checkpoint (which by default loads weights only):
-    # saving a fresh AdamW gives it zero moments and a step count, which the resume must match.
-    state = checkpointer.load(path, module, load_optim_state=True)
+    # A step-0 checkpoint loads weights only: the optimizer stays fresh, as it was at step 0.
+    state = checkpointer.load(path, module)
     if state is None:
         raise RuntimeError(f"'{path}' holds no trainer state; cannot resume from it")
     sched.load_state_dict(state["scheduler"])

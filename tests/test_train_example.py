@@ -98,8 +98,8 @@ def test_sigterm_saves_synchronously_then_resume_is_bit_identical(
 def test_resume_from_the_pre_train_checkpoint_is_bit_identical(
     reference: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    """A run that died before its first checkpoint after step 0 resumes from step 0, optimizer
-    state included (saving gave the fresh optimizer zero moments and a step count)."""
+    """A run that died before its first checkpoint after step 0 resumes from step 0 with a fresh
+    optimizer, as it was at step 0 (saving did not change it)."""
     config, ref_final = reference
     folder = tmp_path / "ckpts"
     shutil.copytree(ref_final.parent / "step0", folder / "step0")

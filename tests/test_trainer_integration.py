@@ -202,3 +202,21 @@ def test_policy_final_save_model_only_bfloat16(ckpt, tmp_path):
         assert torch.equal(v, module.model.state_dict()[k].to(torch.bfloat16)), k
     with pytest.raises(ConfigurationError, match="final_dtype"):
         CheckpointPolicy.validated({"final_dtype": "bfloat16"})
+
+
+def test_saving_does_not_change_a_fresh_optimizer(ckpt, tmp_path):
+    def run(save_first: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = TinyNet()
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if save_first:  # a pre-train (step 0) checkpoint
+            ckpt.save(tmp_path / "step0", ModelAndOptim(model, optim), {"step": 0})
+        assert not optim.state
+        tokens = torch.randint(0, 64, (4, 8))
+        torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+        optim.step()
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    with_save, without = run(True), run(False)
+    for k, v in without.items():
+        assert torch.equal(with_save[k], v), k

@@ -126,11 +126,21 @@ class ModelAndOptim:
         return {k: v for p in self.parts for k, v in get_model_state_dict(p, options=_opts()).items()}
 
     def _optim_state(self) -> dict[str, Any]:
-        return {
-            k: v
-            for p, o in zip(self.parts, self.optims)
-            for k, v in get_optimizer_state_dict(p, o, options=_opts()).items()
-        }
+        """Flattened optimizer state of every part. DCP fills the state of an optimizer that
+        has not stepped yet by stepping it with zero gradients (its step counter becomes 1);
+        that state is returned but taken off the optimizer again, so saving never changes
+        how training goes on."""
+        fresh = [not o.state for o in self.optims]
+        try:
+            return {
+                k: v
+                for p, o in zip(self.parts, self.optims, strict=True)
+                for k, v in get_optimizer_state_dict(p, o, options=_opts()).items()
+            }
+        finally:
+            for o, was_fresh in zip(self.optims, fresh, strict=True):
+                if was_fresh:
+                    o.state.clear()
 
     def state_dict_to_save(self) -> dict[str, Any]:
         state: dict[str, Any] = {"model": self._model_state()}
