@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from multiprocessing import forkserver
 from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
@@ -20,14 +21,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from trainckpt import Checkpointer, CheckpointerConfig, ModelAndOptim
 from trainckpt.faults import ENV_VAR
 
 WIDTH = 384  # two Linear layers: ~0.3M parameters, ~3.5 MB per checkpoint with AdamW moments
 KEEP = 2  # committed checkpoints the run keeps; older ones are deleted after each save
+COLLECTIVE_TIMEOUT = 30.0  # seconds a rank waits for a dead peer in multi-rank runs
 
-torch.set_num_threads(1)  # tiny tensors; and no OpenMP pool in the forkserver to fork from
 
 
 def new_module() -> ModelAndOptim:
@@ -52,11 +54,18 @@ def trainer_state(step: int) -> dict[str, Any]:
     return {"step": step, "marker": torch.arange(8) * step, "note": f"step {step}"}
 
 
+_reference: list[Any] = [0, None]  # (step, module) of the last `reference` answer
+
+
 def reference(step: int) -> ModelAndOptim:
-    """The model and optimizer an uninterrupted run holds after `step` steps."""
-    module = new_module()
-    for s in range(1, step + 1):
+    """The model and optimizer an uninterrupted run holds after `step` steps (read-only: the
+    answer is cached and advanced by the next call with a later step)."""
+    done, module = _reference
+    if module is None or done > step:
+        done, module = 0, new_module()
+    for s in range(done + 1, step + 1):
         train_step(module, s)
+    _reference[:] = [step, module]
     return module
 
 
@@ -79,14 +88,28 @@ def run(
     fault_step: int | None = None,
     ready: Event | None = None,
     url: str | None = None,
+    env: dict[str, str] | None = None,
+    retry_deadline: float = 300.0,
+    keep: int | None = KEEP,
 ) -> None:
     """Resume from the newest good checkpoint in `folder` (or start), train and save every step
     up to `last_step` (`mode`: "sync" or "async"), keeping `KEEP` checkpoints. With `fault`, the
     fault point of that name kills this process during the save of `fault_step`. `ready` is set
     once the run is about to train. `url` (optional) is where checkpoints go instead of
-    `folder`, e.g. a gs:// prefix."""
+    `folder`, e.g. a gs:// prefix; `env` is applied first (a forked run inherits the
+    forkserver's environment, not the test's). `keep=None` deletes nothing."""
+    os.environ.update(env or {})
+    torch.set_num_threads(1)  # tiny tensors; two cores shared by many processes
+    if "WORLD_SIZE" in os.environ:  # one rank of a multi-rank run (gloo on 127.0.0.1)
+        dist.init_process_group("gloo", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT))
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
     target = url or folder
-    ckpt = CheckpointerConfig(work_dir=work_dir, fs_timeout=20).build()
+    ckpt = CheckpointerConfig(
+        work_dir=work_dir,
+        fs_timeout=20,
+        retry_deadline=retry_deadline,
+        collective_timeout=COLLECTIVE_TIMEOUT,
+    ).build()
     module = new_module()
     start = 0
     good = ckpt.find_latest_good(target)
@@ -106,17 +129,21 @@ def run(
             ckpt.save(path, module, trainer_state(step))
         else:
             ckpt.save_async(path, module, trainer_state(step))
-        prune(target, KEEP)
+        if keep is not None and rank0:
+            prune(target, keep)
     ckpt.close()
-    prune(target, KEEP)
+    if keep is not None and rank0:
+        prune(target, keep)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _warm_up() -> None:
     """Pay lazy imports (an optimizer's first use imports torch._dynamo: seconds) once, in the
-    forkserver, instead of in every forked run."""
-    module = new_module()
-    train_step(module, 1)
-    module.state_dict_to_save()
+    forkserver, instead of in every forked run. No tensor op runs here: a forked child must
+    not inherit an initialized OpenMP thread pool."""
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
 
 
 _warm_up()
@@ -156,18 +183,21 @@ class Launcher:
         return proc, ready
 
 
-def check_checkpoints(folder: str | Path, into: ModelAndOptim | None = None) -> list[int]:
-    """Every checkpoint the finders report in `folder`: passes a deep verify and loads exactly
-    the values of `reference(step)` and `trainer_state(step)`. Returns the steps found."""
+def check_checkpoints(folder: str | Path, work_dir: str | Path | None = None) -> list[int]:
+    """Every checkpoint the finders report in `folder` (a path or URL): passes a deep verify
+    and loads exactly the values of `reference(step)` and `trainer_state(step)`. Returns the
+    steps found. `work_dir` (the download cache for URLs) defaults to a folder next to
+    `folder`."""
     from models import assert_same_state  # tests/ is on sys.path in the parent
 
-    ckpt = CheckpointerConfig(work_dir=Path(str(folder).split("://")[-1]).parent / "check").build()
+    work = work_dir if work_dir is not None else Path(folder).parent / "check"
+    ckpt = CheckpointerConfig(work_dir=work).build()
     steps = []
     try:
         for step, path in Checkpointer.find_checkpoints(folder):
             report = Checkpointer.verify(path, deep=True)
             assert report.ok, str(report)
-            dst = into or _scrambled()
+            dst = _scrambled()
             state = ckpt.load(path, dst)
             assert state is not None and state["step"] == step, (path, state)
             assert torch.equal(state["marker"], trainer_state(step)["marker"]), path
@@ -183,6 +213,32 @@ def _scrambled() -> ModelAndOptim:
     module = new_module()
     train_step(module, 10_000)
     return module
+
+
+JOIN_TIMEOUT = 120.0
+"""How long a run of a few 3.5 MB saves may take, generous for a loaded 2-core machine."""
+
+
+def finish(proc: BaseProcess) -> int:
+    """Wait for a run to end (bounded) and return its exit code (-9: SIGKILLed)."""
+    import pytest
+
+    proc.join(JOIN_TIMEOUT)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        pytest.fail(f"the run did not end within {JOIN_TIMEOUT}s")
+    assert proc.exitcode is not None
+    return proc.exitcode
+
+
+def start_on_gcs(
+    launcher: Launcher, tmp_path: Path, url: str, emulator: str, last: int, mode: str, **kw: Any
+) -> tuple[BaseProcess, Event]:
+    """Start a run saving to the gs:// `url`, its client pointed at the server `emulator`."""
+    env = {"STORAGE_EMULATOR_HOST": emulator, "NO_GCE_CHECK": "true"}
+    work = str(tmp_path / "work")
+    return launcher.start(str(tmp_path / "unused"), work, last, mode, url=url, env=env, **kw)
 
 
 def tmp_folders(folder: Path) -> Iterator[Path]:

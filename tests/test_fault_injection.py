@@ -12,13 +12,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from crash_worker import Launcher, check_checkpoints, tmp_folders
+from crash_worker import Launcher, check_checkpoints, finish, tmp_folders
 
 from trainckpt.faults import POINTS
 
 pytestmark = pytest.mark.slow
-
-JOIN_TIMEOUT = 120.0  # a run of a few 3.5 MB saves; generous for a loaded 2-core machine
 
 
 @pytest.fixture(scope="module")
@@ -29,13 +27,7 @@ def launcher() -> Iterator[Launcher]:
 def _run(launcher: Launcher, folder: Path, last_step: int, mode: str, **fault: object) -> int:
     work = str(folder.parent / "work")
     proc, _ready = launcher.start(str(folder), work, last_step, mode, **fault)
-    proc.join(JOIN_TIMEOUT)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
-        pytest.fail(f"the run did not finish within {JOIN_TIMEOUT}s")
-    assert proc.exitcode is not None
-    return proc.exitcode
+    return finish(proc)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
