@@ -101,7 +101,8 @@ def test_unexpected_file_is_reported(saved):
     extra.write_bytes(b"x" * 10)
     report = Checkpointer.verify(saved)
     assert not report.ok and report.problems == [
-        f"'{extra}' is not in the manifest (an unexpected file)"
+        f"'{extra}' is not in the manifest (an unexpected file; "
+        "remove it if it was added to the checkpoint after the save)"
     ]
 
 

@@ -21,6 +21,7 @@ from .errors import (  # noqa: E402
 from .policy import CheckpointPolicy  # noqa: E402
 from .records import CheckpointManifest, CheckpointMetadata  # noqa: E402
 from .train_module import ModelAndOptim, ModelWeights, TrainModule  # noqa: E402
+from .verify import VerifyReport  # noqa: E402
 
 __all__ = [
     "CheckpointError",
@@ -43,5 +44,6 @@ __all__ = [
     "StorageError",
     "TrainModule",
     "UnsafeCheckpointError",
+    "VerifyReport",
     "__version__",
 ]

@@ -108,7 +108,8 @@ def verify_checkpoint(
             to_hash.append((rel, entry))
     for rel in sorted(set(listing) - set(manifest.files) - set(_RECORDS)):
         report.problems.append(
-            f"'{storage.join(path, rel)}' is not in the manifest (an unexpected file)"
+            f"'{storage.join(path, rel)}' is not in the manifest (an unexpected file; "
+            "remove it if it was added to the checkpoint after the save)"
         )
     report.files_checked = len(to_hash)
     report.bytes_checked = sum(e.size for _, e in to_hash)
