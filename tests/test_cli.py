@@ -444,3 +444,27 @@ def test_cli_on_gcs(gcs_bucket: str, tmp_path: Path):
     # step200: newest permanent; step250: newest committed; step100 and the leftover: gone
     assert [s for s, _ in Checkpointer.find_checkpoints(folder)] == [200, 250]
     assert {rel.split("/", 1)[0] for rel in storage.list_files(folder)} == {"step200", "step250"}
+
+
+def test_human_sizes_and_ages():
+    from trainckpt.cli_output import human_age, human_size, table
+
+    assert [human_size(n) for n in (0, 1023, 1024, 9_500_000, 3 * 1024**4)] == [
+        "0 B",
+        "1023 B",
+        "1.0 KiB",
+        "9.1 MiB",
+        "3.0 TiB",
+    ]
+    assert [human_age(s) for s in (None, 5, 600, 3 * 3600, 5 * 86400)] == [
+        "-",
+        "5s",
+        "10m",
+        "3h",
+        "5d",
+    ]
+    assert table(["A", "N"], [["x", "1"], ["long", "22"]], right={"N"}).splitlines() == [
+        "A      N",
+        "x      1",
+        "long  22",
+    ]

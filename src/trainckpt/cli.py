@@ -15,18 +15,16 @@ the path and what to do; `--debug` adds the traceback.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import sys
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-
-from tqdm import tqdm
 
 from . import __version__
 from .checkpointer import Checkpointer
+from .cli_output import human_age, human_size, progress_bar, table
 from .errors import CheckpointError, CheckpointNotFoundError
 from .inventory import (
     FolderEntry,
@@ -59,7 +57,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return EXIT_OK
     rows = [_ls_row(e) for e in entries]
     header = ["STEP", "NAME", "KIND", "STATE", "SIZE", "FILES", "AGE", "WORLD", "NOTE"]
-    print(_table(header, rows, right={"STEP", "SIZE", "FILES", "AGE", "WORLD"}))
+    print(table(header, rows, right={"STEP", "SIZE", "FILES", "AGE", "WORLD"}))
     return EXIT_OK
 
 
@@ -120,7 +118,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         [v.key, v.dtype or "", "x".join(map(str, v.shape or ())) or "-", human_size(v.nbytes)]
         for v in tensors
     ]
-    out.append(_table(["KEY", "DTYPE", "SHAPE", "SIZE"], rows, right={"SIZE"}, indent="  "))
+    out.append(table(["KEY", "DTYPE", "SHAPE", "SIZE"], rows, right={"SIZE"}, indent="  "))
     plain = [v.key for v in report.values if v.kind != "tensor"]
     if plain:
         under = sorted({".".join(k.split(".")[:2]) for k in plain})
@@ -133,7 +131,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    with _progress_bar(args, "verifying") as progress:
+    with progress_bar("verifying", args.progress) as progress:
         if progress is not None:
             progress.set_total(manifest_bytes(args.ckpt))
         report = Checkpointer.verify(args.ckpt, deep=args.deep, progress=progress)
@@ -165,7 +163,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .export import DTYPES, export_checkpoint, format_for
 
     fmt = format_for(args.out, args.format)
-    with _progress_bar(args, "loading") as progress:
+    with progress_bar("loading", args.progress) as progress:
         result = export_checkpoint(
             args.ckpt,
             args.out,
@@ -183,82 +181,6 @@ def cmd_export(args: argparse.Namespace) -> int:
         f"{human_size(result.nbytes)}"
     )
     return EXIT_OK
-
-
-# -- progress and formatting ---------------------------------------------------------------------
-
-
-class _Progress:
-    """A byte-count callback driving a tqdm bar on stderr. The bar appears at `set_total` (or
-    the first update), so it starts with its total when one is known."""
-
-    def __init__(self, desc: str) -> None:
-        self.desc = desc
-        self.bar: tqdm | None = None
-
-    def set_total(self, total: int | None) -> None:
-        if self.bar is None:
-            self.bar = tqdm(
-                desc=self.desc,
-                total=total,
-                unit="B",
-                unit_scale=True,
-                unit_divisor=1024,
-                file=sys.stderr,
-            )
-
-    def __call__(self, nbytes: int) -> None:
-        self.set_total(None)
-        assert self.bar is not None
-        self.bar.update(nbytes)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-@contextlib.contextmanager
-def _progress_bar(args: argparse.Namespace, desc: str) -> Iterator[_Progress | None]:
-    """A bar on stderr when it is a terminal (or with --progress); none with --no-progress."""
-    if args.progress is False or (args.progress is None and not sys.stderr.isatty()):
-        yield None
-        return
-    progress = _Progress(desc)
-    try:
-        yield progress
-    finally:
-        progress.close()
-
-
-def human_size(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
-
-
-def human_age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    for limit, div, unit in ((120, 1, "s"), (7200, 60, "m"), (172800, 3600, "h")):
-        if seconds < limit:
-            return f"{int(seconds // div)}{unit}"
-    return f"{int(seconds // 86400)}d"
-
-
-def _table(header: list[str], rows: list[list[str]], *, right: set[str], indent: str = "") -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-    def fmt(row: list[str]) -> str:
-        cells = [
-            c.rjust(w) if h in right else c.ljust(w)
-            for c, w, h in zip(row, widths, header, strict=True)
-        ]
-        return (indent + "  ".join(cells)).rstrip()
-
-    return "\n".join(fmt(r) for r in [header, *rows])
 
 
 # -- argument parsing and error handling ---------------------------------------------------------
