@@ -138,15 +138,22 @@ class Opaque:
 
 
 @pytest.mark.parametrize(
-    ("value", "hint"),
-    [(np.arange(3), "torch.from_numpy"), (Opaque(), "convert other objects first")],
+    ("value", "culprit", "hint"),
+    [
+        (np.arange(3), "'extra.data[1]' is a numpy.ndarray", "torch.from_numpy"),
+        (Opaque(), "'extra.data[1]' is a test_bad_input.Opaque", "convert other objects first"),
+    ],
 )
 @pytest.mark.parametrize("asynchronous", [False, True])
-def test_non_tensor_trainer_state_refused_at_save(ckpt, tmp_path, value, hint, asynchronous):
+def test_non_tensor_trainer_state_refused_at_save(
+    ckpt, tmp_path, value, culprit, hint, asynchronous
+):
     target = tmp_path / "run" / "step1"
     save = ckpt.save_async if asynchronous else ckpt.save
+    state = {"step": 1, "extra": {"data": [torch.ones(2), value]}, "rng": torch.get_rng_state()}
     with pytest.raises(InvalidTrainStateError, match=str(target)) as info:
-        save(target, make_module(), {"step": 1, "extra": value})
+        save(target, make_module(), state)
+    assert culprit in str(info.value)
     assert hint in str(info.value)
     assert "plain types" in str(info.value)
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
