@@ -39,9 +39,7 @@ from bench_common import Timer, fingerprint, make_module, state_tensors, zero_st
 from trainckpt import Checkpointer, CheckpointerConfig, ModelAndOptim  # noqa: E402
 
 TRAIN_STATE = {"step": 1, "note": "bench"}
-CONTENDERS = ("raw", "torch", "dcp", "olmo", "trainckpt", "async")
-ASYNC_BLOCKED = "trainckpt save_async: call blocks"
-ASYNC_COMMITTED = "trainckpt save_async: until committed"
+CONTENDERS = ("raw", "torch", "dcp", "olmo", "trainckpt", "async", "overlap")
 
 
 # -- the page cache --------------------------------------------------------------------------
@@ -69,6 +67,8 @@ class Contender:
     load_label: str
     save: Callable[[Path], None]
     load: Callable[[Path], None]
+    extra: dict[str, list[float]] = field(default_factory=dict)
+    """More timings a save records (rows shown before the save's), label -> seconds."""
 
 
 def raw_floor(module: ModelAndOptim) -> Contender:
@@ -156,26 +156,49 @@ def trainckpt_sync(module: ModelAndOptim, ckpt: Checkpointer) -> Contender:
     return Contender("trainckpt save", "trainckpt load", save, load)
 
 
-@dataclass
-class AsyncTimes:
-    """Seconds `save_async` blocked the caller, per run."""
-
-    blocked: list[float] = field(default_factory=list)
-
-
-def trainckpt_async(module: ModelAndOptim, ckpt: Checkpointer, times: AsyncTimes) -> Contender:
-    """`save` is timed until committed; the time the call itself blocked goes to `times`."""
+def trainckpt_async(module: ModelAndOptim, ckpt: Checkpointer) -> Contender:
+    """`save_async`: the call returns once the state is copied to CPU memory; timed also until
+    committed."""
+    blocked: list[float] = []
 
     def save(folder: Path) -> None:
         start = time.perf_counter()
         future = ckpt.save_async(folder, module, TRAIN_STATE)
-        times.blocked.append(time.perf_counter() - start)
+        blocked.append(time.perf_counter() - start)
         future.result()
 
     def load(folder: Path) -> None:
         ckpt.load(folder, module)
 
-    return Contender(ASYNC_COMMITTED, "trainckpt load (after save_async)", save, load)
+    label = "trainckpt save_async"
+    return Contender(
+        f"{label}: until committed", "trainckpt load (after save_async)", save, load,
+        extra={f"{label}: call blocks": blocked},
+    )
+
+
+def trainckpt_overlap(module: ModelAndOptim, ckpt: Checkpointer) -> Contender:
+    """`save_async(overlap_staging=True)`: the call returns before the copy to CPU memory, which
+    overlaps the next forward/backward; `wait_for_staging()` before the optimizer step."""
+    blocked: list[float] = []
+    staged: list[float] = []
+
+    def save(folder: Path) -> None:
+        start = time.perf_counter()
+        future = ckpt.save_async(folder, module, TRAIN_STATE, overlap_staging=True)
+        blocked.append(time.perf_counter() - start)
+        ckpt.wait_for_staging()
+        staged.append(time.perf_counter() - start)
+        future.result()
+
+    def load(folder: Path) -> None:
+        ckpt.load(folder, module)
+
+    label = "trainckpt save_async(overlap)"
+    return Contender(
+        f"{label}: until committed", "trainckpt load (after overlap)", save, load,
+        extra={f"{label}: call blocks": blocked, f"{label}: until staged": staged},
+    )
 
 
 # -- running -------------------------------------------------------------------------------------
@@ -240,13 +263,13 @@ def summary(xs: list[float]) -> dict[str, Any]:
 
 
 def rows(
-    contenders: list[Contender], samples: dict[str, Samples], blocked: list[float]
+    contenders: list[Contender], samples: dict[str, Samples]
 ) -> dict[str, dict[str, Any]]:
     """Table rows in display order: each contender's save then load."""
     out: dict[str, dict[str, Any]] = {}
     for c in contenders:
-        if c.save_label == ASYNC_COMMITTED:
-            out[ASYNC_BLOCKED] = summary(blocked)
+        for label, xs in c.extra.items():
+            out[label] = summary(xs)
         out[c.save_label] = summary(samples[c.save_label].save)
         out[c.load_label] = summary(samples[c.save_label].load)
     return out
@@ -258,7 +281,7 @@ def table(results: dict[str, dict[str, Any]], nbytes: int, cold: bool) -> str:
     olmo_save = results.get("OLMo-core save", {}).get("median")
     olmo_load = results.get("OLMo-core load", {}).get("median")
     head = (
-        f"{'operation':<40} {'median s':>9} {'min–max s':>13} {'GB/s':>6} "
+        f"{'operation':<46} {'median s':>9} {'min–max s':>13} {'GB/s':>6} "
         f"{'× raw':>6} {'× OLMo':>7}"
     )
     lines = [head, "-" * len(head)]
@@ -268,7 +291,7 @@ def table(results: dict[str, dict[str, Any]], nbytes: int, cold: bool) -> str:
         olmo = olmo_load if is_load else olmo_save
         med = r["median"]
         lines.append(
-            f"{label:<40} {med:>9.2f} {r['min']:>6.2f}–{r['max']:<6.2f} "
+            f"{label:<46} {med:>9.2f} {r['min']:>6.2f}–{r['max']:<6.2f} "
             f"{nbytes / med / 1e9:>6.2f} {_ratio(med, raw):>6} {_ratio(med, olmo):>7}"
         )
     lines.append(
@@ -276,6 +299,44 @@ def table(results: dict[str, dict[str, Any]], nbytes: int, cold: bool) -> str:
         "; × = time relative to that row's reference, lower is faster)"
     )
     return "\n".join(lines)
+
+
+def targets(report: dict[str, Any]) -> list[str]:
+    """The issue's targets, each with this run's ratio (medians of the same run)."""
+    r = {k: v["median"] for k, v in report["results"].items()}
+    out = []
+
+    def line(what: str, value: float | None, target: str, ok: bool | None) -> None:
+        shown = "n/a" if value is None else f"{value:.2f}"
+        verdict = "not measured" if ok is None else ("met" if ok else "NOT met")
+        out.append(f"target {what}: {shown} (want {target}) -> {verdict}")
+
+    def ratio(a: str, b: str) -> float | None:
+        return r[a] / r[b] if a in r and b in r else None
+
+    x = ratio("trainckpt save", "raw write+fsync")
+    line("sync save / raw write+fsync", x, "<= 1.3", None if x is None else x <= 1.3)
+    x = ratio("trainckpt save", "OLMo-core save")
+    line("sync save / OLMo-core save", x, "<= 1.0", None if x is None else x <= 1.0)
+    x = ratio("trainckpt save_async: call blocks", "trainckpt save")
+    line("save_async blocking / sync save", x, "<= 0.10", None if x is None else x <= 0.10)
+    x = ratio("trainckpt save_async(overlap): call blocks", "trainckpt save")
+    line("save_async(overlap_staging) blocking / sync save", x, "<= 0.10",
+         None if x is None else x <= 0.10)
+    x = ratio("trainckpt load", "OLMo-core load")
+    line("load / OLMo-core load", x, "<= 1.0", None if x is None else x <= 1.0)
+    gcs = report.get("gcs", {}).get("results", {})
+    for op in ("save", "load"):
+        a, b = gcs.get(f"GCS trainckpt {op}"), gcs.get(f"GCS OLMo-core {op}")
+        x = b["median"] / a["median"] if a and b else None
+        line(f"GCS {op} throughput / OLMo-core's", x, ">= 1.5", None if x is None else x >= 1.5)
+    latest = report.get("gcs", {}).get("latest_checkpoint", {})
+    if "trainckpt" in latest and "OLMo-core" in latest:
+        x = latest["OLMo-core"]["requests"] / max(1, latest["trainckpt"]["requests"])
+        line("latest_checkpoint requests, OLMo-core / trainckpt", x, ">= 10", x >= 10)
+    imp = report.get("import", {}).get("import trainckpt after torch", {}).get("median")
+    line("import trainckpt after torch, s", imp, "<= 0.3", None if imp is None else imp <= 0.3)
+    return out
 
 
 def _ratio(x: float, ref: float | None) -> str:
@@ -360,7 +421,6 @@ def _bench(args: argparse.Namespace, root: Path) -> dict[str, Any]:
           f"{info['filesystem']} at {root}", flush=True)
 
     ckpt = CheckpointerConfig(work_dir=root / "work").build()
-    blocked = AsyncTimes()
     wanted = set(args.only.split(",")) if args.only else set(CONTENDERS)
     contenders = []
     notes = []
@@ -374,7 +434,9 @@ def _bench(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                 continue
             contenders.append(olmo)
         elif key == "async":
-            contenders.append(trainckpt_async(module, ckpt, blocked))
+            contenders.append(trainckpt_async(module, ckpt))
+        elif key == "overlap":
+            contenders.append(trainckpt_overlap(module, ckpt))
         elif key == "trainckpt":
             contenders.append(trainckpt_sync(module, ckpt))
         else:
@@ -384,7 +446,7 @@ def _bench(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     samples, cold = run(contenders, module, root, args.repeats)
     identical = async_matches_sync(module, ckpt, root) if "async" in wanted else None
     ckpt.close()
-    results = rows(contenders, samples, blocked.blocked)
+    results = rows(contenders, samples)
     report: dict[str, Any] = {
         "machine": info,
         "state_bytes": nbytes,
@@ -410,6 +472,10 @@ def _bench(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         from bench_gcs import bench_gcs
 
         report["gcs"] = bench_gcs(args.gcs_size_mb, args.gcs_checkpoints, args.repeats, root)
+    report["targets"] = targets(report)
+    print()
+    for line in report["targets"]:
+        print(line)
     for note in notes:
         print(f"note: {note}")
     report["machine"]["load_average_at_end"] = os.getloadavg()
