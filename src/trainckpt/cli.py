@@ -308,7 +308,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"trainckpt {args.command}: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # every failure becomes one line; --debug shows where it came from
+    except BaseException as e:  # every failure is one line; --debug shows where it came from
+        if isinstance(e, (SystemExit, GeneratorExit)):
+            raise
         if args.debug:
             traceback.print_exc()
         print(f"trainckpt {args.command}: error: {_one_line(e)}", file=sys.stderr)

@@ -294,7 +294,8 @@ def load_full_state(
     if not state:
         return state
     planner = _SafeLoadPlanner() if progress is None else _ProgressLoadPlanner(progress)
-    with _quiet_single_process():
+    what = f"loading DCP state from '{folder}'"
+    with _quiet_single_process(), _plain_errors(what, CheckpointError):
         dcp.load(
             state,
             storage_reader=_SafeReader(storage, folder, metadata),

@@ -3,8 +3,9 @@
 The DCP metadata is read with the allow-list unpickler and every value with
 `weights_only=True` (`dcp.load_full_state`), so exporting an untrusted checkpoint runs none of
 its code. One process, no process group: each tensor is rebuilt at its full size on the CPU.
-The file is written to a temporary file first and published create-only (unless `overwrite`)
-through the storage interface, so OUT can be a local path or an object-store URL.
+File sizes are checked against the manifest first. The file is assembled in a temporary folder
+and published create-only (unless `overwrite`) through the storage interface, so OUT can be a
+local path or an object-store URL.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, Literal
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from .checkpointer import Checkpointer
 from .dcp import load_full_state, read_dcp_metadata
 from .errors import CheckpointExistsError, CheckpointNotFoundError, ConfigurationError
 from .inventory import checkpoint_dcp_folder
@@ -81,6 +83,8 @@ def export_checkpoint(
     if fmt == "safetensors":
         _require_safetensors()
     folder = checkpoint_dcp_folder(src_storage, src)
+    # sizes against the manifest (one listing): a truncated or missing shard is named up front
+    Checkpointer.verify(src).raise_if_bad()
     metadata = read_dcp_metadata(src_storage, folder)
     prefix = MODEL_PREFIX if model_only else ""
     if not any(k.startswith(prefix) for k in metadata.state_dict_metadata):
