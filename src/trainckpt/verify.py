@@ -260,6 +260,12 @@ def check_before_load(
     assert report.manifest is not None  # a readable manifest, or the report had a problem
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     mine = sorted(report.manifest.files.items())[rank::world]
-    problems = check_crcs(storage, path, mine)
+    problems: list[str] = []
+    error: Exception | None = None
+    try:
+        problems = check_crcs(storage, path, mine)
+    except Exception as e:  # shared below, so no rank waits for one that gave up
+        error = e
+    dist.agree(error, f"checking the CRC32C of the files of '{path}'", group)
     everyone = [p for part in dist.all_gather_object(problems, group) for p in part]
     VerifyReport(path=path, deep=True, problems=sorted(everyone)).raise_if_bad()
