@@ -18,13 +18,16 @@ from typing import IO, Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 
 class ParallelReader(FileSystemReader):
     """DCP's file reader with `thread_count` reading threads; same files, same results."""
+
+    # Any of DCP's file systems (DCP declares the local one): ours serves remote storage too.
+    fs: FileSystemBase  # type: ignore[assignment]
 
     def __init__(self, path: Any, thread_count: int = 4) -> None:
         super().__init__(path)
