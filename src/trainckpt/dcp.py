@@ -25,6 +25,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import (
     FileSystemBase,
+    _StorageInfo,
+    _StoragePrefix,
 )
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
@@ -88,7 +90,6 @@ class _StorageFS(FileSystemBase):
         with open(local, "rb") if local is not None else self.storage.open_read(str(path)) as f:
             yield f
 
-
     def concat_path(self, path: Any, suffix: str) -> str:
         return self.storage.join(str(path), suffix)
 
@@ -129,10 +130,19 @@ _SAFE_GLOBALS = {
 }
 
 
+_ALIASES = {
+    # OLMo-core writes DCP metadata with its own copies of DCP's storage records.
+    ("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("olmo_core.distributed.checkpoint.filesystem", "_StoragePrefix"): _StoragePrefix,
+}
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP metadata: DCP's own dataclasses, torch dtypes/sizes, plain containers."""
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALIASES:
+            return _ALIASES[(module, name)]
         if module.startswith(_SAFE_MODULE_PREFIXES) or (module, name) in _SAFE_GLOBALS:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
@@ -311,6 +321,7 @@ def _quiet_single_process() -> Generator[None, None, None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
 
 @contextmanager
 def _plain_errors(what: str, fallback: type[CheckpointError]) -> Generator[None, None, None]:
