@@ -172,7 +172,10 @@ def trainckpt_async(module: ModelAndOptim, ckpt: Checkpointer) -> Contender:
 
     label = "trainckpt save_async"
     return Contender(
-        f"{label}: until committed", "trainckpt load (after save_async)", save, load,
+        f"{label}: until committed",
+        "trainckpt load (after save_async)",
+        save,
+        load,
         extra={f"{label}: call blocks": blocked},
     )
 
@@ -196,7 +199,10 @@ def trainckpt_overlap(module: ModelAndOptim, ckpt: Checkpointer) -> Contender:
 
     label = "trainckpt save_async(overlap)"
     return Contender(
-        f"{label}: until committed", "trainckpt load (after overlap)", save, load,
+        f"{label}: until committed",
+        "trainckpt load (after overlap)",
+        save,
+        load,
         extra={f"{label}: call blocks": blocked, f"{label}: until staged": staged},
     )
 
@@ -235,8 +241,11 @@ def run(
                 raise RuntimeError(f"{c.load_label}: the loaded state differs from the saved")
             shutil.rmtree(folder.parent)
             took = samples[c.save_label]
-            print(f"  repeat {r + 1}/{repeats} {c.save_label}: save {took.save[-1]:.2f}s "
-                  f"load {took.load[-1]:.2f}s", flush=True)
+            print(
+                f"  repeat {r + 1}/{repeats} {c.save_label}: save {took.save[-1]:.2f}s "
+                f"load {took.load[-1]:.2f}s",
+                flush=True,
+            )
     return samples, cold
 
 
@@ -262,9 +271,7 @@ def summary(xs: list[float]) -> dict[str, Any]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "samples": xs}
 
 
-def rows(
-    contenders: list[Contender], samples: dict[str, Samples]
-) -> dict[str, dict[str, Any]]:
+def rows(contenders: list[Contender], samples: dict[str, Samples]) -> dict[str, dict[str, Any]]:
     """Table rows in display order: each contender's save then load."""
     out: dict[str, dict[str, Any]] = {}
     for c in contenders:
@@ -321,8 +328,12 @@ def targets(report: dict[str, Any]) -> list[str]:
     x = ratio("trainckpt save_async: call blocks", "trainckpt save")
     line("save_async blocking / sync save", x, "<= 0.10", None if x is None else x <= 0.10)
     x = ratio("trainckpt save_async(overlap): call blocks", "trainckpt save")
-    line("save_async(overlap_staging) blocking / sync save", x, "<= 0.10",
-         None if x is None else x <= 0.10)
+    line(
+        "save_async(overlap_staging) blocking / sync save",
+        x,
+        "<= 0.10",
+        None if x is None else x <= 0.10,
+    )
     x = ratio("trainckpt load", "OLMo-core load")
     line("load / OLMo-core load", x, "<= 1.0", None if x is None else x <= 1.0)
     gcs = report.get("gcs", {}).get("results", {})
@@ -416,9 +427,12 @@ def _bench(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     tensors = [t for _, t in state_tensors(module.state_dict_to_save())]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     info = machine(root)
-    print(f"state: {nbytes / 1e9:.3f} GB in {len(tensors)}"
-          f" tensors; {info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB, "
-          f"{info['filesystem']} at {root}", flush=True)
+    print(
+        f"state: {nbytes / 1e9:.3f} GB in {len(tensors)}"
+        f" tensors; {info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB, "
+        f"{info['filesystem']} at {root}",
+        flush=True,
+    )
 
     ckpt = CheckpointerConfig(work_dir=root / "work").build()
     wanted = set(args.only.split(",")) if args.only else set(CONTENDERS)

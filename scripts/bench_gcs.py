@@ -188,8 +188,12 @@ def _print(results: dict[str, Any], latest: dict[str, Any], nbytes: int, n: int)
     for label, r in results.items():
         ref = results.get(label.replace("trainckpt", "OLMo-core"), {}).get("median")
         ratio = f"{r['median'] / ref:.2f}" if ref else "–"
-        print(f"{label:<40} {r['median']:>9.2f} {r['min']:>6.2f}–{r['max']:<6.2f} "
-              f"{nbytes / r['median'] / 1e6:>6.0f} {ratio:>7}")
+        print(
+            f"{label:<40} {r['median']:>9.2f} {r['min']:>6.2f}–{r['max']:<6.2f} "
+            f"{nbytes / r['median'] / 1e6:>6.0f} {ratio:>7}"
+        )
     for name, r in latest.items():
-        print(f"{f'{name} latest_checkpoint ({n} ckpts)':<40} {r['median']:>9.2f} "
-              f"{r['min']:>6.2f}–{r['max']:<6.2f} {int(r['requests']):>6} requests")
+        print(
+            f"{f'{name} latest_checkpoint ({n} ckpts)':<40} {r['median']:>9.2f} "
+            f"{r['min']:>6.2f}–{r['max']:<6.2f} {int(r['requests']):>6} requests"
+        )

@@ -31,7 +31,6 @@ KEEP = 2  # committed checkpoints the run keeps; older ones are deleted after ea
 COLLECTIVE_TIMEOUT = 30.0  # seconds a rank waits for a dead peer in multi-rank runs
 
 
-
 def new_module() -> ModelAndOptim:
     torch.manual_seed(0)
     model = torch.nn.Sequential(

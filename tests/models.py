@@ -55,6 +55,6 @@ def assert_same_state(a: ModelAndOptim, b: ModelAndOptim, *, optim: bool = True)
     for pid in oa["state"]:
         for k, v in oa["state"][pid].items():
             assert torch.equal(v, ob["state"][pid][k]), f"optimizer state {pid}.{k} differs"
-    assert [
-        {k: v for k, v in g.items() if k != "params"} for g in oa["param_groups"]
-    ] == [{k: v for k, v in g.items() if k != "params"} for g in ob["param_groups"]]
+    assert [{k: v for k, v in g.items() if k != "params"} for g in oa["param_groups"]] == [
+        {k: v for k, v in g.items() if k != "params"} for g in ob["param_groups"]
+    ]

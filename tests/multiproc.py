@@ -95,7 +95,14 @@ def launch_ranks(
             PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]),
         )
         rank_env.update(env(rank) if env else {})
-        cmd = [*(prefix(rank) if prefix else []), sys.executable, str(WORKER), scenario, str(out), *args]
+        cmd = [
+            *(prefix(rank) if prefix else []),
+            sys.executable,
+            str(WORKER),
+            scenario,
+            str(out),
+            *args,
+        ]
         log = open(out / f"rank{rank}.log", "w")
         procs.append(subprocess.Popen(cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout

@@ -62,7 +62,9 @@ def rank_fails(folder: str, how: str, mode: str) -> dict:
 def async_interleaved(folder: str) -> dict:
     """Training collectives on the default group while background saves run on the
     checkpointer's own group; then every save loads back exactly."""
-    ckpt = CheckpointerConfig(work_dir=f"/tmp/trainckpt-w{dist.get_rank()}", collective_timeout=60).build()
+    ckpt = CheckpointerConfig(
+        work_dir=f"/tmp/trainckpt-w{dist.get_rank()}", collective_timeout=60
+    ).build()
     torch.manual_seed(0)
     model = TinyNet()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -136,9 +136,7 @@ class Request:
             )
         if m == "GET" and ("list-type" in q or self.path.count("/") == 1):
             return "ListObjectsV2"
-        return {"GET": "GetObject", "HEAD": "HeadObject", "PUT": "PutObject"}.get(
-            m, "DeleteObject"
-        )
+        return {"GET": "GetObject", "HEAD": "HeadObject", "PUT": "PutObject"}.get(m, "DeleteObject")
 
 
 @dataclass

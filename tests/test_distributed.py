@@ -35,7 +35,7 @@ def test_unshared_folder_is_refused_on_every_rank_before_writing(tmp_path: Path)
         # Rank 1 is "another node": the same path is its own local disk.
         if rank == 0:
             return []
-        script = f"mount --bind {node1} {shared} && exec \"$@\""
+        script = f'mount --bind {node1} {shared} && exec "$@"'
         return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh"]
 
     results = launch_ranks("not_shared", 2, tmp_path / "out", str(shared), prefix=node_of)
@@ -50,7 +50,9 @@ def test_unshared_folder_is_refused_on_every_rank_before_writing(tmp_path: Path)
 
 
 def test_rank_exception_fails_every_rank_and_commits_nothing(tmp_path: Path):
-    results = launch_ranks("rank_fails", 2, tmp_path / "out", str(tmp_path / "ckpt"), "raise", "sync")
+    results = launch_ranks(
+        "rank_fails", 2, tmp_path / "out", str(tmp_path / "ckpt"), "raise", "sync"
+    )
     (code0, res0), (code1, res1) = results
     assert res1["type"] == "RuntimeError" and "host memory" in res1["message"]
     assert res0["type"] == "RankFailedError" and "rank 1" in res0["message"]

@@ -52,9 +52,7 @@ def test_verify_over_http(published):
     assert report.ok, report.problems
 
 
-def test_pre_download_caches_by_etag_and_notices_a_changed_file(
-    published, http_folder, tmp_path
-):
+def test_pre_download_caches_by_etag_and_notices_a_changed_file(published, http_folder, tmp_path):
     src, url = published
     c = CheckpointerConfig(work_dir=tmp_path / "work", pre_download=True).build()
     try:

@@ -51,9 +51,10 @@ def test_multipart_upload_sends_parts_in_parallel(
     assert len(s3_proxy.ops("UploadPart")) == 4
     assert not s3_proxy.ops("PutObject")
     assert storage.read_bytes(loc) == data
-    assert storage.read_bytes(loc, MIN_PART_SIZE - 10, MIN_PART_SIZE + 10) == data[
-        MIN_PART_SIZE - 10 : MIN_PART_SIZE + 10
-    ]
+    assert (
+        storage.read_bytes(loc, MIN_PART_SIZE - 10, MIN_PART_SIZE + 10)
+        == data[MIN_PART_SIZE - 10 : MIN_PART_SIZE + 10]
+    )
 
 
 def test_create_only_multipart_upload_is_refused_and_keeps_the_object(
@@ -98,9 +99,7 @@ def test_throttling_and_5xx_are_retried(s3_bucket: str, s3_proxy: S3Proxy) -> No
     assert len(s3_proxy.ops("ListObjectsV2")) == 2
 
 
-def test_retries_stop_at_the_deadline_with_a_clear_error(
-    s3_bucket: str, s3_proxy: S3Proxy
-) -> None:
+def test_retries_stop_at_the_deadline_with_a_clear_error(s3_bucket: str, s3_proxy: S3Proxy) -> None:
     s3_proxy.fail(lambda r: r.operation == "HeadObject", 503, "SlowDown", times=10_000)
     storage = S3Storage(StorageOptions(retry_deadline=1.0))
     loc = f"{s3_bucket}/ckpt/train/rank0.pt"

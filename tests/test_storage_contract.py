@@ -121,7 +121,7 @@ def test_upload_many_and_listings(backend: tuple[Storage, str], tmp_path: Path) 
         local.write_bytes(rel.encode() * (i + 1))
         pairs.append((local, storage.join(root, rel)))
     storage.upload_many(pairs)
-    for (local, loc) in pairs:
+    for local, loc in pairs:
         assert storage.read_bytes(loc) == local.read_bytes()
 
     listing = storage.list_dir(root)

@@ -52,7 +52,7 @@ def _train_stages(m: ModelAndOptim, steps: int = 2) -> None:
 
 def _named_optim_state(parts, optims) -> dict[str, torch.Tensor]:
     out = {}
-    for part, optim in zip(parts, optims):
+    for part, optim in zip(parts, optims, strict=True):
         names = {id(p): n for n, p in part.named_parameters()}
         for p, st in optim.state.items():
             for k, v in st.items():
@@ -68,9 +68,12 @@ def test_two_parts_round_trip_and_load_into_one_part(ckpt, tmp_path):
     dst = _two_stages(seed=2)
     _train_stages(dst, steps=1)
     ckpt.load(path, dst)
-    for a, b in zip(src.parts, dst.parts):
+    for a, b in zip(src.parts, dst.parts, strict=True):
         assert_same_state(ModelAndOptim(a), ModelAndOptim(b), optim=False)
-    assert _named_optim_state(src.parts, src.optims).keys() == _named_optim_state(dst.parts, dst.optims).keys()
+    assert (
+        _named_optim_state(src.parts, src.optims).keys()
+        == _named_optim_state(dst.parts, dst.optims).keys()
+    )
     for k, v in _named_optim_state(src.parts, src.optims).items():
         assert torch.equal(v, _named_optim_state(dst.parts, dst.optims)[k]), k
 
@@ -154,7 +157,11 @@ def _load_seed_fsdp(rank: int, world: int, seed_dir: str) -> dict:
     state = ckpt.load(seed_dir, ModelAndOptim(model, optim))
     ckpt.close()
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    return {"trainer": state, "model": {k: v.clone() for k, v in full.items()}, "optim": len(optim.state)}
+    return {
+        "trainer": state,
+        "model": {k: v.clone() for k, v in full.items()},
+        "optim": len(optim.state),
+    }
 
 
 @pytest.mark.slow
@@ -183,7 +190,7 @@ def test_step0_checkpoint_loads_model_weights_only_by_default(ckpt, tmp_path):
 
 
 def test_policy_final_save_model_only_bfloat16(ckpt, tmp_path):
-    from trainckpt import CheckpointPolicy, Checkpointing
+    from trainckpt import Checkpointing, CheckpointPolicy
 
     policy = CheckpointPolicy(
         save_interval=5, save_async=False, final_save="model_only", final_dtype="bfloat16"

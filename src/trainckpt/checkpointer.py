@@ -189,7 +189,9 @@ class Checkpointer:
             error = e
         if error is None:
             done.set_result(None)
-            log.info("staged checkpoint '%s' in %.2fs (overlapped)", req.dir, time.perf_counter() - start)
+            log.info(
+                "staged checkpoint '%s' in %.2fs (overlapped)", req.dir, time.perf_counter() - start
+            )
         else:
             done.set_exception(error)
         dist.agree(error, f"staging the save of '{req.dir}'", self.process_group)
@@ -286,7 +288,10 @@ class Checkpointer:
             shards = threads if durable else max(threads, self._storage_options.thread_count)
             entries.update(
                 save_state(
-                    state, folder / layout.MODEL_DIR, group=group, thread_count=shards,
+                    state,
+                    folder / layout.MODEL_DIR,
+                    group=group,
+                    thread_count=shards,
                     durable=durable,
                 )
             )
@@ -332,7 +337,9 @@ class Checkpointer:
 
         trainer_state = None
         if load_trainer_state is not False:
-            trainer_state = self._load_trainer_state(storage, path, required=bool(load_trainer_state))
+            trainer_state = self._load_trainer_state(
+                storage, path, required=bool(load_trainer_state)
+            )
 
         if load_optim_state is None and layout.parse_step(storage.name(path)) == 0:
             log.info("'%s' is a step-0 (seed) checkpoint: loading model weights only", path)

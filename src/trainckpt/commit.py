@@ -176,7 +176,9 @@ def _save_to_object_store(req: SaveRequest, write: WriteFn) -> str:
 
     # 1. Prepare (rank 0): refuse a committed target; clear an uncommitted prefix (a crashed
     #    save of this step), or, with save_overwrite, the old checkpoint, commit record first.
-    dist.run_on_rank0(lambda: _prepare_prefix(storage, dir, req.overwrite), f"preparing '{dir}'", group)
+    dist.run_on_rank0(
+        lambda: _prepare_prefix(storage, dir, req.overwrite), f"preparing '{dir}'", group
+    )
 
     # 2. Every rank writes its files into its own staging folder on local disk.
     staging = req.work_dir / f"staging-{uuid.uuid4().hex[:12]}"

@@ -69,7 +69,9 @@ class CheckpointerConfig(BaseModel):
         return cls.validated(raw, where=str(p))
 
     @classmethod
-    def validated(cls, raw: dict[str, Any], where: str = "CheckpointerConfig") -> CheckpointerConfig:
+    def validated(
+        cls, raw: dict[str, Any], where: str = "CheckpointerConfig"
+    ) -> CheckpointerConfig:
         """Validate `raw`, turning pydantic's errors into one message that names each field."""
         try:
             return cls.model_validate(raw)

@@ -83,7 +83,7 @@ class _StorageFS(FileSystemBase):
         self.downloaded = downloaded or {}
 
     @contextmanager
-    def create_stream(self, path: Any, mode: str) -> Generator[IO[bytes], None, None]:
+    def create_stream(self, path: Any, mode: str) -> Generator[Any, None, None]:
         if mode != "rb":
             raise ValueError("read-only")
         local = self.downloaded.get(str(path))
@@ -145,7 +145,9 @@ class _MetadataUnpickler(pickle.Unpickler):
             return _ALIASES[(module, name)]
         if module.startswith(_SAFE_MODULE_PREFIXES) or (module, name) in _SAFE_GLOBALS:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout)
+        ):
             return super().find_class(module, name)
         if module == "torch" and name in ("contiguous_format", "channels_last", "preserve_format"):
             return super().find_class(module, name)

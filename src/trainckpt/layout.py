@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
+from typing import Final
 
-FORMAT_VERSION = 1
+FORMAT_VERSION: Final = 1
 METADATA_FILE = ".metadata.json"
 """Commit record, written last. Its presence is what makes a folder a checkpoint."""
 MANIFEST_FILE = ".manifest.json"

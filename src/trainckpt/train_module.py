@@ -123,7 +123,9 @@ class ModelAndOptim:
                 seen[name] = i
 
     def _model_state(self) -> dict[str, Any]:
-        return {k: v for p in self.parts for k, v in get_model_state_dict(p, options=_opts()).items()}
+        return {
+            k: v for p in self.parts for k, v in get_model_state_dict(p, options=_opts()).items()
+        }
 
     def _optim_state(self) -> dict[str, Any]:
         """Flattened optimizer state of every part. DCP fills the state of an optimizer that

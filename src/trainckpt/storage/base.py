@@ -142,7 +142,7 @@ class Storage(ABC):
         self.delete_files(self.join(location, rel) for rel in rest)
         self._remove_empty_dirs(location)
 
-    def _remove_empty_dirs(self, location: str) -> None:
+    def _remove_empty_dirs(self, location: str) -> None:  # noqa: B027 (optional hook)
         """Remove folders left empty by `delete_tree` (nothing to do on object stores)."""
 
     # -- local folders (only where `atomic_rename`) ------------------------------------------

@@ -174,16 +174,24 @@ class GCSStorage(Storage):
     # -- writing -----------------------------------------------------------------------------
     def write_bytes(self, location: str, data: bytes, *, overwrite: bool = True) -> None:
         local = FileEntry(size=len(data), crc32c=crc32c_bytes(data))
-        self._upload(location, local, overwrite, lambda blob, **kw: blob.upload_from_string(
-            data, content_type="application/octet-stream", **kw
-        ))
+        self._upload(
+            location,
+            local,
+            overwrite,
+            lambda blob, **kw: blob.upload_from_string(
+                data, content_type="application/octet-stream", **kw
+            ),
+        )
 
     def upload(self, local: Path, location: str, *, overwrite: bool = True) -> None:
         entry = crc32c_file(local)
         self._upload(
-            location, entry, overwrite, lambda blob, **kw: blob.upload_from_filename(
+            location,
+            entry,
+            overwrite,
+            lambda blob, **kw: blob.upload_from_filename(
                 str(local), content_type="application/octet-stream", **kw
-            )
+            ),
         )
 
     def upload_many(self, pairs: list[tuple[Path, str]], *, overwrite: bool = True) -> None:
