@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import requests
 from google.api_core import exceptions as api_exceptions
@@ -31,9 +31,8 @@ from google.cloud.storage.retry import DEFAULT_RETRY
 
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
 from ..records import FileEntry, crc32c_bytes, crc32c_file, crc32c_from_gcs, crc32c_to_gcs
-from .base import Listing, Storage, StorageOptions
-from .download import cached_copy
-from .ranged import RangeReader
+from .base import Listing, StorageOptions
+from .remote import RemoteStorage
 
 if TYPE_CHECKING:
     from google.cloud.storage import Blob, Bucket, Client
@@ -44,26 +43,13 @@ SCHEME = "gs://"
 _EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
 
 
-def split(location: str) -> tuple[str, str]:
-    """`gs://bucket/a/b` -> (`bucket`, `a/b`)."""
-    if not location.startswith(SCHEME):
-        raise StorageError(f"'{location}' is not a gs:// URL")
-    bucket, _, name = location[len(SCHEME) :].partition("/")
-    if not bucket:
-        raise StorageError(f"'{location}' names no bucket; use gs://bucket/prefix")
-    return bucket, name.strip("/")
-
-
-class GCSStorage(Storage):
+class GCSStorage(RemoteStorage):
     """Objects in GCS buckets. One instance (and one client) per set of options and endpoint."""
 
-    atomic_rename = False
-
-    _shared: ClassVar[dict[tuple[StorageOptions, str | None], GCSStorage]] = {}
-    _shared_lock: ClassVar[threading.Lock] = threading.Lock()
+    scheme = SCHEME
 
     def __init__(self, options: StorageOptions) -> None:
-        self.options = options
+        super().__init__(options)
         self.retry = DEFAULT_RETRY.with_delay(initial=0.25, maximum=30.0).with_timeout(
             options.retry_deadline
         )
@@ -73,14 +59,8 @@ class GCSStorage(Storage):
         self._client_lock = threading.Lock()
 
     @classmethod
-    def shared(cls, options: StorageOptions) -> GCSStorage:
-        """The instance for `options` and the current `STORAGE_EMULATOR_HOST` (a changed
-        emulator address gets a new client)."""
-        key = (options, os.environ.get(_EMULATOR_ENV))
-        with cls._shared_lock:
-            if key not in cls._shared:
-                cls._shared[key] = cls(options)
-            return cls._shared[key]
+    def endpoint(cls) -> str | None:
+        return os.environ.get(_EMULATOR_ENV)
 
     @property
     def client(self) -> Client:
@@ -92,18 +72,18 @@ class GCSStorage(Storage):
 
     # -- paths -------------------------------------------------------------------------------
     def normalize(self, location: str) -> str:
-        bucket, name = split(location)
+        bucket, name = self.split(location)
         return f"{SCHEME}{bucket}/{name}" if name else f"{SCHEME}{bucket}"
 
     def join(self, base: str, *parts: str) -> str:
         return "/".join([base.rstrip("/"), *(p.strip("/") for p in parts if p)])
 
     def parent(self, location: str) -> str:
-        bucket, name = split(location)
+        bucket, name = self.split(location)
         return self.normalize(f"{SCHEME}{bucket}/{name.rpartition('/')[0]}")
 
     def _blob(self, location: str) -> Blob:
-        bucket, name = split(location)
+        bucket, name = self.split(location)
         if not name:
             raise CheckpointNotFoundError(f"'{location}' is a bucket, not a file")
         return self._bucket(bucket).blob(name)
@@ -113,7 +93,7 @@ class GCSStorage(Storage):
 
     # -- reading -----------------------------------------------------------------------------
     def list_dir(self, location: str) -> Listing:
-        bucket, prefix = split(location)
+        bucket, prefix = self.split(location)
         prefix = f"{prefix}/" if prefix else ""
         files: dict[str, int] = {}
         with _gcs_errors("listing", location, self.options):
@@ -127,7 +107,7 @@ class GCSStorage(Storage):
         return Listing(dirs=dirs, files=files)
 
     def list_files(self, location: str) -> dict[str, int]:
-        bucket, prefix = split(location)
+        bucket, prefix = self.split(location)
         prefix = f"{prefix}/" if prefix else ""
         with _gcs_errors("listing", location, self.options):
             return {
@@ -139,7 +119,7 @@ class GCSStorage(Storage):
             }
 
     def size(self, location: str) -> int:
-        bucket, name = split(location)
+        bucket, name = self.split(location)
         if not name:
             raise CheckpointNotFoundError(f"'{location}' is a bucket, not a file")
         with _gcs_errors("reading", location, self.options):
@@ -161,15 +141,6 @@ class GCSStorage(Storage):
                 retry=self.retry,
                 timeout=self.timeout,
             )
-
-    def open_read(self, location: str) -> BinaryIO:
-        reader = RangeReader(
-            location, self.size(location), lambda s, e: self.read_bytes(location, s, e)
-        )
-        return cast(BinaryIO, reader)
-
-    def local_copy(self, location: str, cache_dir: Path) -> Path:
-        return cached_copy(location, cache_dir)
 
     # -- writing -----------------------------------------------------------------------------
     def write_bytes(self, location: str, data: bytes, *, overwrite: bool = True) -> None:

@@ -8,47 +8,34 @@ Requests retry 408/429/5xx and connection errors with backoff until `retry_deadl
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import BinaryIO, ClassVar, cast
 
 import requests
 
 from ..errors import CheckpointNotFoundError, ConfigurationError, StorageError
-from .base import Listing, Storage, StorageOptions
-from .download import cached_copy
-from .ranged import RangeReader
+from .base import Listing, StorageOptions
+from .remote import RemoteStorage
 
 _RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _HEAD_REFUSED = frozenset({403, 405, 501})
 
 
-class HTTPStorage(Storage):
+class HTTPStorage(RemoteStorage):
     """Files served over HTTP(S); read-only, no listing."""
 
-    atomic_rename = False
+    scheme = "http"
     writable = False
     supports_listing = False
 
-    _shared: ClassVar[dict[StorageOptions, HTTPStorage]] = {}
-    _shared_lock: ClassVar[threading.Lock] = threading.Lock()
-
     def __init__(self, options: StorageOptions) -> None:
-        self.options = options
+        super().__init__(options)
         self.session = requests.Session()
         adapter = requests.adapters.HTTPAdapter(pool_maxsize=max(10, options.thread_count))
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
         self.timeout = (min(30.0, options.retry_deadline), 120.0)
-
-    @classmethod
-    def shared(cls, options: StorageOptions) -> HTTPStorage:
-        with cls._shared_lock:
-            if options not in cls._shared:
-                cls._shared[options] = cls(options)
-            return cls._shared[options]
 
     def join(self, base: str, *parts: str) -> str:
         return "/".join([base.rstrip("/"), *(p.strip("/") for p in parts if p)])
@@ -91,15 +78,6 @@ class HTTPStorage(Storage):
         if response.status_code == 416:  # range starts past the end
             return b""
         return response.content[start:end]  # a server that ignores Range sends everything
-
-    def open_read(self, location: str) -> BinaryIO:
-        reader = RangeReader(
-            location, self.size(location), lambda s, e: self.read_bytes(location, s, e)
-        )
-        return cast(BinaryIO, reader)
-
-    def local_copy(self, location: str, cache_dir: Path) -> Path:
-        return cached_copy(location, cache_dir)
 
     def _request(
         self,

@@ -26,12 +26,11 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
-from .base import Listing, Storage, StorageOptions
-from .download import cached_copy
-from .ranged import RangeReader
+from .base import Listing, StorageOptions
+from .remote import RemoteStorage
 from .s3_errors import RangeNotSatisfiable, call_with_retries
 
 if TYPE_CHECKING:
@@ -51,23 +50,10 @@ MIN_PART_SIZE = 5 * MiB
 T = TypeVar("T")
 
 
-def split(location: str) -> tuple[str, str]:
-    """`s3://bucket/a/b` -> (`bucket`, `a/b`)."""
-    if not location.startswith(SCHEME):
-        raise StorageError(f"'{location}' is not an s3:// URL")
-    bucket, _, key = location[len(SCHEME) :].partition("/")
-    if not bucket:
-        raise StorageError(f"'{location}' names no bucket; use s3://bucket/prefix")
-    return bucket, key.strip("/")
-
-
-class S3Storage(Storage):
+class S3Storage(RemoteStorage):
     """Objects in S3 buckets. One instance (and one client) per set of options and endpoint."""
 
-    atomic_rename = False
-
-    _shared: ClassVar[dict[tuple[StorageOptions, str | None], S3Storage]] = {}
-    _shared_lock: ClassVar[threading.Lock] = threading.Lock()
+    scheme = SCHEME
 
     def __init__(
         self,
@@ -80,7 +66,7 @@ class S3Storage(Storage):
         (raised when needed to stay within S3's 10,000 parts)."""
         if part_size < MIN_PART_SIZE:
             raise ValueError(f"part_size must be at least {MIN_PART_SIZE} bytes (S3's minimum)")
-        self.options = options
+        super().__init__(options)
         self.multipart_threshold = multipart_threshold
         self.part_size = part_size
         self._client: BaseClient | None = None
@@ -96,11 +82,11 @@ class S3Storage(Storage):
             raise ConfigurationError(
                 "s3:// paths need boto3, which is not installed: pip install 'trainckpt[s3]'"
             )
-        key = (options, _endpoint_from_env())
-        with cls._shared_lock:
-            if key not in cls._shared:
-                cls._shared[key] = cls(options)
-            return cls._shared[key]
+        return super().shared(options)
+
+    @classmethod
+    def endpoint(cls) -> str | None:
+        return _endpoint_from_env()
 
     @property
     def client(self) -> BaseClient:
@@ -112,18 +98,22 @@ class S3Storage(Storage):
 
     # -- paths -------------------------------------------------------------------------------
     def normalize(self, location: str) -> str:
-        bucket, key = split(location)
+        bucket, key = self.split(location)
         return f"{SCHEME}{bucket}/{key}" if key else f"{SCHEME}{bucket}"
 
     def join(self, base: str, *parts: str) -> str:
         return "/".join([base.rstrip("/"), *(p.strip("/") for p in parts if p)])
 
     def parent(self, location: str) -> str:
-        bucket, key = split(location)
+        bucket, key = self.split(location)
         return self.normalize(f"{SCHEME}{bucket}/{key.rpartition('/')[0]}")
 
+    def _folder_prefix(self, location: str) -> str:
+        _, key = self.split(location)
+        return f"{key}/" if key else ""
+
     def _object(self, location: str) -> tuple[str, str]:
-        bucket, key = split(location)
+        bucket, key = self.split(location)
         if not key:
             raise CheckpointNotFoundError(f"'{location}' is a bucket, not a file")
         return bucket, key
@@ -132,7 +122,7 @@ class S3Storage(Storage):
     def list_dir(self, location: str) -> Listing:
         dirs: list[str] = []
         files: dict[str, int] = {}
-        prefix = _folder_prefix(location)
+        prefix = self._folder_prefix(location)
         for page in self._pages(location, delimiter="/"):
             for common in page.get("CommonPrefixes", []):
                 dirs.append(common["Prefix"][len(prefix) :].rstrip("/"))
@@ -142,7 +132,7 @@ class S3Storage(Storage):
         return Listing(dirs=sorted(dirs), files=files)
 
     def list_files(self, location: str) -> dict[str, int]:
-        prefix = _folder_prefix(location)
+        prefix = self._folder_prefix(location)
         return {
             obj["Key"][len(prefix) :]: int(obj["Size"])
             for page in self._pages(location)
@@ -153,8 +143,8 @@ class S3Storage(Storage):
     def _pages(self, location: str, delimiter: str = "") -> Iterator[dict[str, Any]]:
         """Every page of `ListObjectsV2` below `location`, following continuation tokens;
         each page is one retried request."""
-        bucket, _ = split(location)
-        args: dict[str, Any] = {"Bucket": bucket, "Prefix": _folder_prefix(location)}
+        bucket, _ = self.split(location)
+        args: dict[str, Any] = {"Bucket": bucket, "Prefix": self._folder_prefix(location)}
         if delimiter:
             args["Delimiter"] = delimiter
         while True:
@@ -195,15 +185,9 @@ class S3Storage(Storage):
         except RangeNotSatisfiable:
             return b""  # `start` at or past the end of the file, as a local read gives
 
-    def open_read(self, location: str) -> BinaryIO:
-        reader = RangeReader(
-            location, self.size(location), lambda s, e: self.read_bytes(location, s, e)
-        )
-        return cast(BinaryIO, reader)
-
     def local_copy(self, location: str, cache_dir: Path) -> Path:
-        self._object(location)
-        return cached_copy(location, cache_dir)
+        self._object(location)  # a clear CheckpointNotFoundError before cached-path's own
+        return super().local_copy(location, cache_dir)
 
     # -- writing -----------------------------------------------------------------------------
     def write_bytes(self, location: str, data: bytes, *, overwrite: bool = True) -> None:
@@ -379,11 +363,6 @@ def _md5(source: bytes | Path) -> str:
         while chunk := f.read(8 * MiB):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def _folder_prefix(location: str) -> str:
-    _, key = split(location)
-    return f"{key}/" if key else ""
 
 
 def _endpoint_from_env() -> str | None:
