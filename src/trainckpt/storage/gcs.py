@@ -70,18 +70,6 @@ class GCSStorage(RemoteStorage):
                 self._client = _new_client(self.options.thread_count)
             return self._client
 
-    # -- paths -------------------------------------------------------------------------------
-    def normalize(self, location: str) -> str:
-        bucket, name = self.split(location)
-        return f"{SCHEME}{bucket}/{name}" if name else f"{SCHEME}{bucket}"
-
-    def join(self, base: str, *parts: str) -> str:
-        return "/".join([base.rstrip("/"), *(p.strip("/") for p in parts if p)])
-
-    def parent(self, location: str) -> str:
-        bucket, name = self.split(location)
-        return self.normalize(f"{SCHEME}{bucket}/{name.rpartition('/')[0]}")
-
     def _blob(self, location: str) -> Blob:
         bucket, name = self.split(location)
         if not name:

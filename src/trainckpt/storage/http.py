@@ -15,7 +15,7 @@ from pathlib import Path
 import requests
 
 from ..errors import CheckpointNotFoundError, ConfigurationError, StorageError
-from .base import Listing, StorageOptions
+from .base import Listing, Storage, StorageOptions
 from .remote import RemoteStorage
 
 _RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
@@ -25,7 +25,9 @@ _HEAD_REFUSED = frozenset({403, 405, 501})
 class HTTPStorage(RemoteStorage):
     """Files served over HTTP(S); read-only, no listing."""
 
-    scheme = "http"
+    scheme = "http(s)://"
+    normalize = Storage.normalize  # no buckets: a URL is kept as it is, less a trailing slash
+    parent = Storage.parent
     writable = False
     supports_listing = False
 
@@ -36,9 +38,6 @@ class HTTPStorage(RemoteStorage):
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
         self.timeout = (min(30.0, options.retry_deadline), 120.0)
-
-    def join(self, base: str, *parts: str) -> str:
-        return "/".join([base.rstrip("/"), *(p.strip("/") for p in parts if p)])
 
     # -- reading -----------------------------------------------------------------------------
     def list_dir(self, location: str) -> Listing:

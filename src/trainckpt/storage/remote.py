@@ -42,6 +42,17 @@ class RemoteStorage(Storage):
                 cls._instances[key] = cls(options)
             return cast(R, cls._instances[key])
 
+    def normalize(self, location: str) -> str:
+        bucket, key = self.split(location)
+        return f"{self.scheme}{bucket}/{key}" if key else f"{self.scheme}{bucket}"
+
+    def join(self, base: str, *parts: str) -> str:
+        return "/".join([base.rstrip("/"), *(p.strip("/") for p in parts if p)])
+
+    def parent(self, location: str) -> str:
+        bucket, key = self.split(location)
+        return self.normalize(f"{self.scheme}{bucket}/{key.rpartition('/')[0]}")
+
     def split(self, location: str) -> tuple[str, str]:
         """`gs://bucket/a/b` -> (`bucket`, `a/b`)."""
         if not location.startswith(self.scheme):

@@ -96,18 +96,6 @@ class S3Storage(RemoteStorage):
                 self._client = _new_client(self.options)
             return self._client
 
-    # -- paths -------------------------------------------------------------------------------
-    def normalize(self, location: str) -> str:
-        bucket, key = self.split(location)
-        return f"{SCHEME}{bucket}/{key}" if key else f"{SCHEME}{bucket}"
-
-    def join(self, base: str, *parts: str) -> str:
-        return "/".join([base.rstrip("/"), *(p.strip("/") for p in parts if p)])
-
-    def parent(self, location: str) -> str:
-        bucket, key = self.split(location)
-        return self.normalize(f"{SCHEME}{bucket}/{key.rpartition('/')[0]}")
-
     def _folder_prefix(self, location: str) -> str:
         _, key = self.split(location)
         return f"{key}/" if key else ""
