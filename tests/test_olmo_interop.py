@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
+# Part of the `test` extra: a missing OLMo-core fails this file instead of skipping it.
+import olmo_core.train.checkpoint as olmo_checkpoint
 from models import assert_same_state, fresh_module, make_module
 
 from trainckpt import Checkpointer, CheckpointerConfig
-
-olmo_checkpoint = pytest.importorskip(
-    "olmo_core.train.checkpoint", reason="install the 'test' extra (ai2-olmo-core)"
-)
 
 
 def test_trainckpt_finds_and_loads_olmo_checkpoints(tmp_path):
