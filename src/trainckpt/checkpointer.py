@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import tempfile
@@ -23,13 +22,13 @@ from .errors import (
     CheckpointNotFoundError,
     ConfigurationError,
     CorruptCheckpointError,
-    InvalidTrainStateError,
 )
 from .faults import fault_point
 from .records import CheckpointManifest, CheckpointMetadata, FileEntry, crc32c_bytes
 from .staging import Stager
 from .storage import LocalStorage, Storage, StorageOptions, resolve
 from .train_module import TrainModule
+from .trainer_state import deserialize_trainer_state, serialize_trainer_state
 from .upload_turns import run_in_turns
 from .verify import (
     Progress,
@@ -241,7 +240,7 @@ class Checkpointer:
         trainer_bytes: bytes = b""
         state: dict[str, Any] = {}
         try:
-            trainer_bytes = _serialize_trainer_state(train_state, req.dir)
+            trainer_bytes = serialize_trainer_state(train_state, req.dir)
             state = train_module.state_dict_to_save()
             if stage:
                 state = self._stager.stage(state)
@@ -332,7 +331,7 @@ class Checkpointer:
         self._finish_pending()
         start = time.perf_counter()
         storage, path = resolve(dir, self._storage_options)
-        dcp_folder = _dcp_folder(storage, path)
+        folder = dcp_folder(storage, path)
         check_before_load(storage, path, self.verify_on_load, self.process_group)
 
         trainer_state = None
@@ -346,13 +345,13 @@ class Checkpointer:
             load_optim_state = False
         from .dcp import load_state, read_dcp_metadata  # imported on first use: slow to import
 
-        metadata = read_dcp_metadata(storage, dcp_folder)
+        metadata = read_dcp_metadata(storage, folder)
         state = train_module.state_dict_to_load(metadata, optim=load_optim_state)
         trainer_state = _exclude(state, trainer_state, exclude, path)
         load_state(
             state,
             storage,
-            dcp_folder,
+            folder,
             metadata,
             group=self.process_group,
             download_to=self.work_dir / "download-cache" if self.pre_download else None,
@@ -392,7 +391,7 @@ class Checkpointer:
                     own,
                     rank0,
                 )
-            return _deserialize_trainer_state(data, candidate)
+            return deserialize_trainer_state(data, candidate)
         if required:
             raise CheckpointNotFoundError(
                 f"no trainer state in '{path}' (looked for '{own}' and '{rank0}'); pass "
@@ -576,7 +575,7 @@ def _saved_world_size(storage: Storage, path: str) -> int | None:
     return CheckpointManifest.from_json(data, where).world_size
 
 
-def _dcp_folder(storage: Storage, path: str) -> str:
+def dcp_folder(storage: Storage, path: str) -> str:
     """The DCP folder of a checkpoint: `model_and_optim/`, or the folder itself when bare."""
     nested = storage.join(path, layout.MODEL_DIR)
     if storage.exists(storage.join(nested, layout.DCP_METADATA_FILE)):
@@ -594,61 +593,3 @@ def _dcp_folder(storage: Storage, path: str) -> str:
         f"{layout.MODEL_DIR}/{layout.DCP_METADATA_FILE}); check the path, or use "
         "Checkpointer.latest_checkpoint(folder) to find one"
     )
-
-
-def _serialize_trainer_state(train_state: dict[str, Any], where: str) -> bytes:
-    """`torch.save` bytes of the trainer state, refused now if they would not load back with
-    `weights_only=True` (so a bad type fails the save, not the resume a week later)."""
-    if not isinstance(train_state, dict):
-        raise InvalidTrainStateError(
-            f"trainer state for '{where}' must be a dict, got {type(train_state).__name__}"
-        )
-    buf = io.BytesIO()
-    try:
-        torch.save(train_state, buf)
-        data = buf.getvalue()
-        torch.load(io.BytesIO(data), weights_only=True)
-    except Exception as e:
-        culprits = ", ".join(_non_plain(train_state)[:5]) or _unsupported_global(e)
-        raise InvalidTrainStateError(
-            f"trainer state for '{where}' holds objects that cannot be loaded back safely "
-            f"(with torch.load(weights_only=True)): {culprits}; keep it to plain types "
-            "(dict, list, tuple, str, int, float, bool, None) and tensors: convert other "
-            "objects first, e.g. numpy arrays with torch.from_numpy and RNG states with "
-            "torch.get_rng_state()"
-        ) from e
-    return data
-
-
-_PLAIN = (str, bytes, int, float, bool, type(None), torch.Tensor, torch.Size, torch.dtype)
-
-
-def _non_plain(obj: Any, key: str = "") -> list[str]:
-    """Key paths and types of the values in `obj` that are not plain data, for error messages."""
-    if isinstance(obj, dict):
-        return [p for k, v in obj.items() for p in _non_plain(v, f"{key}.{k}" if key else str(k))]
-    if type(obj) in (list, tuple, set, frozenset):
-        return [p for i, v in enumerate(obj) for p in _non_plain(v, f"{key}[{i}]")]
-    if isinstance(obj, _PLAIN):
-        return []
-    return [f"'{key}' is a {type(obj).__module__}.{type(obj).__qualname__}"]
-
-
-def _unsupported_global(error: Exception) -> str:
-    """The line of torch's weights_only error that names the refused type, if there is one."""
-    lines = [ln.strip() for ln in str(error).splitlines() if "GLOBAL" in ln]
-    return lines[0] if lines else type(error).__name__
-
-
-def _deserialize_trainer_state(data: bytes, where: str) -> dict[str, Any]:
-    try:
-        state = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-    except Exception as e:
-        raise CorruptCheckpointError(
-            f"'{where}' cannot be loaded as plain trainer state ({type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}); nothing from it was run. The file is "
-            "damaged or unsafe: load an older checkpoint or restore it from a copy"
-        ) from e
-    if not isinstance(state, dict):
-        raise CorruptCheckpointError(f"'{where}' holds {type(state).__name__}, not a dict")
-    return state

@@ -18,11 +18,12 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import layout
-from .checkpointer import Checkpointer, _dcp_folder, _deserialize_trainer_state
+from .checkpointer import Checkpointer, dcp_folder
 from .dcp import read_dcp_metadata
 from .errors import CheckpointError, CheckpointNotFoundError
 from .records import CheckpointManifest, CheckpointMetadata
 from .storage import Storage, resolve
+from .trainer_state import deserialize_trainer_state
 
 FolderState = Literal["committed", "uncommitted", "tmp"]
 
@@ -246,7 +247,7 @@ def describe_checkpoint(ckpt: str) -> CheckpointReport:
     trainer_state: dict[str, str] = {}
     if rank_files:
         where = storage.join(path, rank_files[0])
-        state = _deserialize_trainer_state(storage.read_bytes(where), where)
+        state = deserialize_trainer_state(storage.read_bytes(where), where)
         trainer_state = {str(k): describe_value(v) for k, v in state.items()}
     dcp_md = read_dcp_metadata(storage, dcp_folder)
     values = [_value_info(key, md) for key, md in dcp_md.state_dict_metadata.items()]
@@ -266,7 +267,7 @@ def checkpoint_dcp_folder(storage: Storage, path: str) -> str:
     """The DCP folder of checkpoint `path`. When `path` is no checkpoint, the error says
     whether it does not exist or is a save folder (naming its newest checkpoint)."""
     try:
-        return _dcp_folder(storage, path)
+        return dcp_folder(storage, path)
     except CheckpointNotFoundError as e:
         raise _not_a_checkpoint(storage, path, e) from e
 
