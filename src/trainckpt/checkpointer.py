@@ -15,16 +15,15 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from . import dist, layout
+from . import dist, finders, layout
 from .commit import SaveRequest, is_committed, save_checkpoint
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
     ConfigurationError,
-    CorruptCheckpointError,
 )
 from .faults import fault_point
-from .records import CheckpointManifest, CheckpointMetadata, FileEntry, crc32c_bytes
+from .records import CheckpointMetadata, FileEntry, crc32c_bytes
 from .staging import Stager
 from .storage import LocalStorage, Storage, StorageOptions, resolve
 from .train_module import TrainModule
@@ -34,7 +33,6 @@ from .verify import (
     Progress,
     VerifyReport,
     check_before_load,
-    require_folder,
     verify_checkpoint,
 )
 
@@ -331,7 +329,7 @@ class Checkpointer:
         self._finish_pending()
         start = time.perf_counter()
         storage, path = resolve(dir, self._storage_options)
-        folder = dcp_folder(storage, path)
+        folder = finders.dcp_folder(storage, path)
         check_before_load(storage, path, self.verify_on_load, self.process_group)
 
         trainer_state = None
@@ -367,7 +365,7 @@ class Checkpointer:
         rank, world = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
         own = storage.join(path, layout.trainer_state_file(rank))
         rank0 = storage.join(path, layout.trainer_state_file(0))
-        saved_world = _saved_world_size(storage, path)
+        saved_world = finders.saved_world_size(storage, path)
         candidates = [own, rank0]
         if saved_world is not None and saved_world != world:
             candidates = [rank0]
@@ -423,17 +421,7 @@ class Checkpointer:
         committed). `-tmp` folders and folders without a commit record are skipped.
         """
         storage, path = resolve(dir)
-        for step, ckpt in _step_folders(storage, path):
-            if ephemeral is None:
-                if is_committed(storage, ckpt):
-                    yield step, ckpt
-                continue
-            try:
-                record = cls.read_metadata(ckpt)
-            except CheckpointNotFoundError:
-                continue
-            if record.ephemeral == ephemeral:
-                yield step, ckpt
+        yield from finders.find_checkpoints(storage, path, ephemeral)
 
     @classmethod
     def contains_checkpoint(cls, dir: str | os.PathLike) -> bool:
@@ -454,13 +442,7 @@ class Checkpointer:
         Raises `CheckpointNotFoundError` (a `FileNotFoundError`) when there is none.
         """
         storage, path = resolve(dir)
-        for _step, ckpt in reversed(_step_folders(storage, path)):
-            if is_committed(storage, ckpt):
-                return ckpt
-        raise CheckpointNotFoundError(
-            f"no committed checkpoint in '{path}' (looked for step folders holding "
-            f"{layout.METADATA_FILE}); start from scratch or point to another folder"
-        )
+        return finders.latest_checkpoint(storage, path)
 
     @classmethod
     def delete(cls, dir: str | os.PathLike) -> None:
@@ -497,7 +479,7 @@ class Checkpointer:
         def newest_good() -> str | None:
             storage, path = resolve(dir, self._storage_options)
             try:
-                folders = _step_folders(storage, path)
+                folders = finders.step_folders(storage, path)
             except FileNotFoundError:
                 if storage.exists(path):
                     raise
@@ -523,26 +505,7 @@ class Checkpointer:
     def read_metadata(cls, dir: str | os.PathLike) -> CheckpointMetadata:
         """The commit record of a checkpoint."""
         storage, path = resolve(dir)
-        where = storage.join(path, layout.METADATA_FILE)
-        try:
-            data = storage.read_bytes(where)
-        except FileNotFoundError as e:
-            raise CheckpointNotFoundError(
-                f"'{path}' is not a committed checkpoint: '{where}' does not exist"
-            ) from e
-        return CheckpointMetadata.from_json(data, where)
-
-
-def _step_folders(storage: Storage, path: str) -> list[tuple[int, str]]:
-    """(step, path) of every `step{N}` folder directly under `path`, ascending, in one listing."""
-    if not storage.supports_listing:
-        raise ConfigurationError(
-            f"'{path}' cannot be listed (that storage has no listing); "
-            "pass the URL of one checkpoint instead of a folder of checkpoints"
-        )
-    listing = storage.list_dir(path)
-    steps = [(s, name) for name in listing.dirs if (s := layout.parse_step(name)) is not None]
-    return [(s, storage.join(path, name)) for s, name in sorted(steps)]
+        return finders.read_metadata(storage, path)
 
 
 def _exclude(
@@ -563,33 +526,3 @@ def _exclude(
     if trainer_state is None:
         return None
     return {k: v for k, v in trainer_state.items() if k not in names}
-
-
-def _saved_world_size(storage: Storage, path: str) -> int | None:
-    """The world size recorded in a checkpoint's manifest; None without one (OLMo-core's)."""
-    where = storage.join(path, layout.MANIFEST_FILE)
-    try:
-        data = storage.read_bytes(where)
-    except FileNotFoundError:
-        return None
-    return CheckpointManifest.from_json(data, where).world_size
-
-
-def dcp_folder(storage: Storage, path: str) -> str:
-    """The DCP folder of a checkpoint: `model_and_optim/`, or the folder itself when bare."""
-    nested = storage.join(path, layout.MODEL_DIR)
-    if storage.exists(storage.join(nested, layout.DCP_METADATA_FILE)):
-        return nested
-    if storage.exists(storage.join(path, layout.DCP_METADATA_FILE)):
-        return path
-    if is_committed(storage, path):
-        raise CorruptCheckpointError(
-            f"'{path}' is committed but '{nested}/{layout.DCP_METADATA_FILE}' is missing; the "
-            "checkpoint is damaged: load an older one or restore it from a copy"
-        )
-    require_folder(storage, path)  # a clearer error for a missing path or a file
-    raise CheckpointNotFoundError(
-        f"'{path}' is not a checkpoint (no {layout.METADATA_FILE}, no "
-        f"{layout.MODEL_DIR}/{layout.DCP_METADATA_FILE}); check the path, or use "
-        "Checkpointer.latest_checkpoint(folder) to find one"
-    )

@@ -18,9 +18,10 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import layout
-from .checkpointer import Checkpointer, dcp_folder
+from .checkpointer import Checkpointer
 from .dcp import read_dcp_metadata
 from .errors import CheckpointError, CheckpointNotFoundError
+from .finders import dcp_folder
 from .records import CheckpointManifest, CheckpointMetadata
 from .storage import Storage, resolve
 from .trainer_state import deserialize_trainer_state

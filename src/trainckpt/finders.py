@@ -1,0 +1,99 @@
+"""Finding checkpoints and their parts in storage: step folders in one listing, commit records,
+the DCP folder and the saved world size. Pure reads through the storage interface; no process
+group (the classmethods of `Checkpointer` call these)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from . import layout
+from .commit import is_committed
+from .errors import CheckpointNotFoundError, ConfigurationError, CorruptCheckpointError
+from .records import CheckpointManifest, CheckpointMetadata
+from .storage import Storage
+from .verify import require_folder
+
+
+def step_folders(storage: Storage, path: str) -> list[tuple[int, str]]:
+    """(step, path) of every `step{N}` folder directly under `path`, ascending, in one listing."""
+    if not storage.supports_listing:
+        raise ConfigurationError(
+            f"'{path}' cannot be listed (that storage has no listing); "
+            "pass the URL of one checkpoint instead of a folder of checkpoints"
+        )
+    listing = storage.list_dir(path)
+    steps = [(s, name) for name in listing.dirs if (s := layout.parse_step(name)) is not None]
+    return [(s, storage.join(path, name)) for s, name in sorted(steps)]
+
+
+def find_checkpoints(
+    storage: Storage, path: str, ephemeral: bool | None = None
+) -> Iterator[tuple[int, str]]:
+    """Committed checkpoints directly under `path`, ascending by step: one listing, then one
+    request per step folder (an existence check of its commit record, or with the `ephemeral`
+    filter a read of it; a missing one means not committed)."""
+    for step, ckpt in step_folders(storage, path):
+        if ephemeral is None:
+            if is_committed(storage, ckpt):
+                yield step, ckpt
+            continue
+        try:
+            record = read_metadata(storage, ckpt)
+        except CheckpointNotFoundError:
+            continue
+        if record.ephemeral == ephemeral:
+            yield step, ckpt
+
+
+def latest_checkpoint(storage: Storage, path: str) -> str:
+    """The committed checkpoint with the highest step under `path`, probing from the newest
+    down; `CheckpointNotFoundError` when there is none."""
+    for _step, ckpt in reversed(step_folders(storage, path)):
+        if is_committed(storage, ckpt):
+            return ckpt
+    raise CheckpointNotFoundError(
+        f"no committed checkpoint in '{path}' (looked for step folders holding "
+        f"{layout.METADATA_FILE}); start from scratch or point to another folder"
+    )
+
+
+def read_metadata(storage: Storage, path: str) -> CheckpointMetadata:
+    """The commit record of the checkpoint at `path`."""
+    where = storage.join(path, layout.METADATA_FILE)
+    try:
+        data = storage.read_bytes(where)
+    except FileNotFoundError as e:
+        raise CheckpointNotFoundError(
+            f"'{path}' is not a committed checkpoint: '{where}' does not exist"
+        ) from e
+    return CheckpointMetadata.from_json(data, where)
+
+
+def saved_world_size(storage: Storage, path: str) -> int | None:
+    """The world size recorded in a checkpoint's manifest; None without one (OLMo-core's)."""
+    where = storage.join(path, layout.MANIFEST_FILE)
+    try:
+        data = storage.read_bytes(where)
+    except FileNotFoundError:
+        return None
+    return CheckpointManifest.from_json(data, where).world_size
+
+
+def dcp_folder(storage: Storage, path: str) -> str:
+    """The DCP folder of a checkpoint: `model_and_optim/`, or the folder itself when bare."""
+    nested = storage.join(path, layout.MODEL_DIR)
+    if storage.exists(storage.join(nested, layout.DCP_METADATA_FILE)):
+        return nested
+    if storage.exists(storage.join(path, layout.DCP_METADATA_FILE)):
+        return path
+    if is_committed(storage, path):
+        raise CorruptCheckpointError(
+            f"'{path}' is committed but '{nested}/{layout.DCP_METADATA_FILE}' is missing; the "
+            "checkpoint is damaged: load an older one or restore it from a copy"
+        )
+    require_folder(storage, path)  # a clearer error for a missing path or a file
+    raise CheckpointNotFoundError(
+        f"'{path}' is not a checkpoint (no {layout.METADATA_FILE}, no "
+        f"{layout.MODEL_DIR}/{layout.DCP_METADATA_FILE}); check the path, or use "
+        "Checkpointer.latest_checkpoint(folder) to find one"
+    )
