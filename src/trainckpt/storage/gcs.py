@@ -18,10 +18,9 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING
 
 import requests
 from google.api_core import exceptions as api_exceptions
@@ -186,23 +185,6 @@ class GCSStorage(RemoteStorage):
                 pass
 
         self._in_parallel(delete, list(locations))
-
-    def _in_parallel(self, fn: Callable[[Any], None], items: list[Any]) -> None:
-        """Run `fn` on every item on `thread_count` threads; the first error raises (and the
-        items not yet started are dropped)."""
-        if len(items) <= 1:
-            for item in items:
-                fn(item)
-            return
-        pool = ThreadPoolExecutor(min(self.options.thread_count, len(items)), "trainckpt-gcs")
-        try:
-            futures = [pool.submit(fn, item) for item in items]
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-            for f in futures:
-                if f in done and f.exception() is not None:
-                    raise cast(BaseException, f.exception())
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _new_client(thread_count: int) -> Client:

@@ -4,6 +4,8 @@ bucket/key splitting, byte-range reads and cached-path downloads."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, BinaryIO, ClassVar, TypeVar, cast
 
@@ -70,3 +72,21 @@ class RemoteStorage(Storage):
 
     def local_copy(self, location: str, cache_dir: Path) -> Path:
         return cached_copy(location, cache_dir)
+
+    def _in_parallel(self, fn: Callable[[Any], None], items: list[Any]) -> None:
+        """Run `fn` on every item on `thread_count` threads; the first error raises (and the
+        items not yet started are dropped)."""
+        if len(items) <= 1:
+            for item in items:
+                fn(item)
+            return
+        name = f"trainckpt-{type(self).__name__}"
+        pool = ThreadPoolExecutor(min(self.options.thread_count, len(items)), name)
+        try:
+            futures = [pool.submit(fn, item) for item in items]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            for f in futures:
+                if f in done and f.exception() is not None:
+                    raise cast(BaseException, f.exception())
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)

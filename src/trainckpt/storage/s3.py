@@ -24,7 +24,6 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -319,23 +318,6 @@ class S3Storage(RemoteStorage):
             )
 
     # -- plumbing ----------------------------------------------------------------------------
-    def _in_parallel(self, fn: Callable[[Any], None], items: list[Any]) -> None:
-        """Run `fn` on every item on `thread_count` threads; the first error raises (and the
-        items not yet started are dropped)."""
-        if len(items) <= 1:
-            for item in items:
-                fn(item)
-            return
-        pool = ThreadPoolExecutor(min(self.options.thread_count, len(items)), "trainckpt-s3")
-        try:
-            futures = [pool.submit(fn, item) for item in items]
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-            for f in futures:
-                if f in done and f.exception() is not None:
-                    raise cast(BaseException, f.exception())
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-
     def _call(self, what: str, location: str, fn: Callable[[], T]) -> T:
         """Run one request with retries of transient failures until `retry_deadline`."""
         self.client  # noqa: B018  (built before the clock starts: loading boto3 takes a while)
