@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import dist
 from .checkpointer import Checkpointer, VerifyOnLoad, _default_work_dir
-from .errors import ConfigurationError
+from .errors import ConfigurationError, settings_error
 
 
 class CheckpointerConfig(BaseModel):
@@ -76,11 +76,7 @@ class CheckpointerConfig(BaseModel):
         try:
             return cls.model_validate(raw)
         except ValidationError as e:
-            problems = "; ".join(
-                f"{'.'.join(str(x) for x in err['loc']) or '(root)'}: {err['msg']}"
-                for err in e.errors()
-            )
-            raise ConfigurationError(f"{where}: invalid checkpointer settings: {problems}") from e
+            raise settings_error(e, where, "checkpointer settings") from e
 
     def build(
         self, process_group: dist.ProcessGroup | None = None, **overrides: Any

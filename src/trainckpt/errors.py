@@ -7,6 +7,8 @@ those keep working.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class CheckpointError(Exception):
     """Root of every error trainckpt raises on purpose."""
@@ -50,3 +52,12 @@ class RankFailedError(CheckpointError):
 
 class ConfigurationError(CheckpointError, ValueError):
     """A Checkpointer was set up or called in a way that cannot work."""
+
+
+def settings_error(error: Any, where: str, what: str) -> ConfigurationError:
+    """One `ConfigurationError` naming every field a pydantic `ValidationError` complains of."""
+    problems = "; ".join(
+        f"{'.'.join(str(x) for x in err['loc']) or '(root)'}: {err['msg']}"
+        for err in error.errors()
+    )
+    return ConfigurationError(f"{where}: invalid {what}: {problems}")

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .errors import ConfigurationError
+from .errors import settings_error
 
 RemovalStrategy = Literal["ephemeral_only", "all_non_permanent", "never"]
 
@@ -126,11 +126,7 @@ class CheckpointPolicy(BaseModel):
         try:
             return cls.model_validate(raw)
         except ValidationError as e:
-            problems = "; ".join(
-                f"{'.'.join(str(x) for x in err['loc']) or '(policy)'}: {err['msg']}"
-                for err in e.errors()
-            )
-            raise ConfigurationError(f"{where}: invalid checkpoint policy: {problems}") from e
+            raise settings_error(e, where, "checkpoint policy") from e
 
     # -- saving ---------------------------------------------------------------------------------
     def decide(self, step: int, last_saved_step: int | None) -> SaveKind | None:
