@@ -154,7 +154,7 @@ class _StaticHandler(http.server.BaseHTTPRequestHandler):
 
     def _serve(self, body: bool) -> None:
         self.server.count(self.command, self.path, self.headers.get("Range"))
-        injected = self.server.next_failure()
+        injected = self.server.next_failure(self.path)
         if injected is not None:
             self.send_error(injected)
             return
@@ -202,6 +202,9 @@ class StaticHTTPServer(http.server.ThreadingHTTPServer):
         self.requests: list[tuple[str, str, str | None]] = []
         self.failures: list[int] = []
         """Statuses to answer the next requests with (transient server errors)."""
+        self.failure_path: str | None = None
+        """When set, only requests for this path get the queued failures (so a stray request
+        of another test cannot use one up)."""
         self.refuse_head = False
         """Answer HEAD with 405, as some signed-URL servers and CDNs do."""
         self._lock = threading.Lock()
@@ -210,9 +213,11 @@ class StaticHTTPServer(http.server.ThreadingHTTPServer):
         with self._lock:
             self.requests.append((method, path, byte_range))
 
-    def next_failure(self) -> int | None:
+    def next_failure(self, path: str) -> int | None:
         """The status to answer this request with instead of the file, if any is queued."""
         with self._lock:
+            if self.failure_path is not None and path != self.failure_path:
+                return None
             return self.failures.pop(0) if self.failures else None
 
 
@@ -231,6 +236,7 @@ def http_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StaticHTTP
 def http_folder(http_server: StaticHTTPServer) -> tuple[Path, str]:
     """(local folder, its URL): files put in the folder are served at the URL."""
     http_server.failures.clear()
+    http_server.failure_path = None
     http_server.refuse_head = False
     name = uuid.uuid4().hex[:12]
     folder = http_server.root / name

@@ -112,9 +112,10 @@ def test_unreachable_http_server_is_a_storage_error(tmp_path):
 
 def test_transient_http_errors_are_retried(published, http_server):
     _, url = published
+    path = url[len(http_server.url) :] + "/.metadata.json"
+    http_server.failure_path = path
     http_server.failures[:] = [503, 429, 502]
     assert Checkpointer.read_metadata(url).ephemeral is False  # HEAD-free: one GET, retried
-    path = url[len(http_server.url) :] + "/.metadata.json"
     retried = [r for r in http_server.requests if r[1] == path]
     assert len(retried) == 4, retried
 
