@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from . import dist, finders, layout
-from .commit import SaveRequest, is_committed, save_checkpoint
+from .commit import OnFile, SaveRequest, is_committed, save_checkpoint
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -262,6 +262,7 @@ class Checkpointer:
             group=self.process_group,
             fs_timeout=self.fs_timeout,
             work_dir=self.work_dir,
+            upload_threads=self._storage_options.thread_count,
             upload_turns=run_in_turns(self.process_group) if self.throttle_uploads else None,
         )
 
@@ -269,7 +270,7 @@ class Checkpointer:
         group = self.process_group
         threads = self.save_thread_count or _default_threads()
 
-        def write(folder: Path, durable: bool) -> dict[str, FileEntry]:
+        def write(folder: Path, durable: bool, on_file: OnFile | None) -> dict[str, FileEntry]:
             from .dcp import save_state  # imported on first use: DCP takes ~1 s to import
 
             rel = layout.trainer_state_file(dist.get_rank(group))
@@ -279,6 +280,8 @@ class Checkpointer:
             except Exception as e:
                 error = e
             dist.agree(error, f"writing trainer state under '{folder}'", group)
+            if on_file is not None:
+                on_file(rel)
             fault_point("writing-shards")
             entries = {rel: FileEntry(size=len(trainer_bytes), crc32c=crc32c_bytes(trainer_bytes))}
             # Staging for an upload (not durable): one shard file per upload thread.
@@ -290,6 +293,7 @@ class Checkpointer:
                     group=group,
                     thread_count=shards,
                     durable=durable,
+                    on_file=on_file,
                 )
             )
             return entries

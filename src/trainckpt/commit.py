@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import logging
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,11 +26,13 @@ from .storage import Storage
 
 log = logging.getLogger(__name__)
 
-WriteFn = Callable[[Path, bool], dict[str, FileEntry]]
-"""`write(folder, durable)` writes this rank's files of the checkpoint under a local folder and
-returns them (relative path -> size and CRC32C); with `durable`, each file is fsynced (staging
-copies that are uploaded next need not be). Called on all ranks; may run collectives on the
-commit's group."""
+OnFile = Callable[[str], None]
+WriteFn = Callable[[Path, bool, OnFile | None], dict[str, FileEntry]]
+"""`write(folder, durable, on_file)` writes this rank's files of the checkpoint under a local
+folder and returns them (relative path -> size and CRC32C); with `durable`, each file is
+fsynced (staging copies that are uploaded next need not be). `on_file(relative path)`, when
+given, is called as soon as a file is complete (from any thread). Called on all ranks; may run
+collectives on the commit's group."""
 
 PROBE_PREFIX = ".probe-"
 
@@ -43,6 +47,8 @@ class SaveRequest:
     group: dist.ProcessGroup | None
     fs_timeout: float
     work_dir: Path
+    upload_threads: int = 8
+    """Parallel uploads of one rank to an object store."""
     upload_turns: Callable[[Callable[[], None]], None] | None = None
     """Runs a rank's uploads, possibly in turns with other ranks (`throttle_uploads`)."""
 
@@ -184,20 +190,35 @@ def _save_to_object_store(req: SaveRequest, write: WriteFn) -> str:
     staging = req.work_dir / f"staging-{uuid.uuid4().hex[:12]}"
     staging.mkdir(parents=True)
     try:
-        # Not fsynced: the uploaded objects are the copies that must last.
-        entries, error = _run_write(write, staging, durable=False)
-        fault_point("after-shards")
-        dist.agree(error, f"writing checkpoint files into '{staging}'", group)
-
-        # 3. Every rank uploads its own files; an upload error on any rank stops all.
-        def upload() -> None:
-            storage.upload_many([(staging / rel, storage.join(dir, rel)) for rel in entries])
-
-        error = None
+        # Not fsynced: the uploaded objects are the copies that must last. Unless uploads go in
+        # turns (`throttle_uploads`), each file is uploaded as soon as it is written.
+        early = (
+            None if req.upload_turns else _EarlyUploads(storage, staging, dir, req.upload_threads)
+        )
         try:
-            (req.upload_turns or (lambda fn: fn()))(upload)
-        except Exception as e:
-            error = e
+            entries, error = _run_write(
+                write, staging, durable=False, on_file=early.submit if early else None
+            )
+            fault_point("after-shards")
+            dist.agree(error, f"writing checkpoint files into '{staging}'", group)
+
+            # 3. Every rank uploads its (remaining) files; an upload error on any rank stops all.
+            error = None
+            try:
+                if early is not None:
+                    early.finish(list(entries))
+                else:
+                    assert req.upload_turns is not None
+                    req.upload_turns(
+                        lambda: storage.upload_many(
+                            [(staging / rel, storage.join(dir, rel)) for rel in entries]
+                        )
+                    )
+            except Exception as e:
+                error = e
+        finally:
+            if early is not None:
+                early.close()
         dist.agree(error, f"uploading checkpoint files to '{dir}'", group)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -207,6 +228,37 @@ def _save_to_object_store(req: SaveRequest, write: WriteFn) -> str:
     parts = dist.all_gather_object(entries, group)
     dist.run_on_rank0(lambda: _write_records(req, dir, parts), f"committing '{dir}'", group)
     return dir
+
+
+class _EarlyUploads:
+    """Uploads staged files while the rest are still being written, on the back end's
+    `thread_count` threads. Called on: one rank, for its own files."""
+
+    def __init__(self, storage: Storage, staging: Path, dir: str, threads: int) -> None:
+        self.storage, self.staging, self.dir = storage, staging, dir
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="trainckpt-upload")
+        self._futures: dict[str, Future[None]] = {}
+        self._lock = threading.Lock()
+
+    def submit(self, rel: str) -> None:
+        with self._lock:
+            if rel not in self._futures:
+                target = self.storage.join(self.dir, rel)
+                self._futures[rel] = self._pool.submit(
+                    self.storage.upload, self.staging / rel, target
+                )
+
+    def finish(self, rels: list[str]) -> None:
+        """Upload what was not uploaded yet, wait for every upload; the first error raises."""
+        for rel in rels:
+            self.submit(rel)
+        with self._lock:
+            futures = list(self._futures.values())
+        for f in futures:
+            f.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _prepare_prefix(storage: Storage, dir: str, overwrite: bool) -> None:
@@ -226,10 +278,10 @@ def _prepare_prefix(storage: Storage, dir: str, overwrite: bool) -> None:
 
 
 def _run_write(
-    write: WriteFn, folder: Path, *, durable: bool
+    write: WriteFn, folder: Path, *, durable: bool, on_file: OnFile | None = None
 ) -> tuple[dict[str, FileEntry], Exception | None]:
     try:
-        return write(folder, durable), None
+        return write(folder, durable, on_file), None
     except Exception as e:  # shared with the other ranks by the caller
         return {}, e
 

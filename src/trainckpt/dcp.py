@@ -54,13 +54,20 @@ def save_state(
     group: dist.ProcessGroup | None,
     thread_count: int,
     durable: bool = True,
+    on_file: Callable[[str], None] | None = None,
 ) -> dict[str, FileEntry]:
     """Write `state` as a DCP folder and return the files this rank wrote (relative to the
-    folder's parent) with size and CRC32C; with `durable`, every file is fsynced.
+    folder's parent) with size and CRC32C; with `durable`, every file is fsynced. `on_file`
+    gets each shard's path (relative to the folder's parent) as soon as it is complete.
 
     Called on: all ranks (DCP plans collectively; rank 0 also writes `.metadata`).
     """
-    writer = RecordingWriter(folder, thread_count=thread_count, durable=durable)
+    writer = RecordingWriter(
+        folder,
+        thread_count=thread_count,
+        durable=durable,
+        on_file=None if on_file is None else lambda name: on_file(f"{folder.name}/{name}"),
+    )
     with _quiet_single_process(), _plain_errors(f"writing DCP state into '{folder}'", StorageError):
         dcp.save(
             state, storage_writer=writer, process_group=group, no_dist=not dist.is_distributed()

@@ -15,6 +15,7 @@ own `FileSystemWriter` is how they are written:
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -37,11 +38,19 @@ class RecordingWriter(FileSystemWriter):
     """DCP's storage writer for a local folder, writing shards in parallel and recording each
     file it wrote with size and CRC32C in `written`."""
 
-    def __init__(self, path: Path, thread_count: int, durable: bool = True) -> None:
+    def __init__(
+        self,
+        path: Path,
+        thread_count: int,
+        durable: bool = True,
+        on_file: Callable[[str], None] | None = None,
+    ) -> None:
+        """`on_file(name)` is called (on the writing thread) as soon as a shard is complete."""
         super().__init__(
             path, single_file_per_rank=True, sync_files=durable, thread_count=thread_count
         )
         self.written: dict[str, FileEntry] = {}
+        self.on_file = on_file
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data.prefix
@@ -75,6 +84,8 @@ class RecordingWriter(FileSystemWriter):
                 results.append(
                     _write_item(self.transforms, out, data, item, name, self.serialization_format)  # type: ignore[arg-type]
                 )
+        if self.on_file is not None:
+            self.on_file(name)
         return out.entry(), results
 
 
