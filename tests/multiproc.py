@@ -21,10 +21,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(
-    rank: int, fn: Callable[..., Any], world_size: int, port: int, out: str, args: tuple
-) -> None:
-    os.environ.update(
+def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The torchrun-style environment of one rank of a job on 127.0.0.1:`port`."""
+    return dict(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
@@ -32,6 +31,12 @@ def _entry(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
+
+
+def _entry(
+    rank: int, fn: Callable[..., Any], world_size: int, port: int, out: str, args: tuple
+) -> None:
+    os.environ.update(rank_env(rank, world_size, port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
@@ -84,17 +89,12 @@ def launch_ranks(
     port = free_port()
     procs = []
     for rank in range(world_size):
-        rank_env = dict(
+        environ = dict(
             os.environ,
-            RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
+            **rank_env(rank, world_size, port),
             PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]),
         )
-        rank_env.update(env(rank) if env else {})
+        environ.update(env(rank) if env else {})
         cmd = [
             *(prefix(rank) if prefix else []),
             sys.executable,
@@ -104,7 +104,7 @@ def launch_ranks(
             *args,
         ]
         log = open(out / f"rank{rank}.log", "w")
-        procs.append(subprocess.Popen(cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(subprocess.Popen(cmd, env=environ, stdout=log, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout
     codes = []
     for p in procs:
