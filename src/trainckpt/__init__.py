@@ -18,6 +18,7 @@ from .errors import (  # noqa: E402
     StorageError,
     UnsafeCheckpointError,
 )
+from .model_states import ModelAndStates  # noqa: E402
 from .policy import CheckpointPolicy  # noqa: E402
 from .records import CheckpointManifest, CheckpointMetadata  # noqa: E402
 from .train_module import ModelAndOptim, ModelWeights, TrainModule  # noqa: E402
@@ -38,6 +39,7 @@ __all__ = [
     "CorruptCheckpointError",
     "InvalidTrainStateError",
     "ModelAndOptim",
+    "ModelAndStates",
     "ModelWeights",
     "RankFailedError",
     "SharedFolderError",

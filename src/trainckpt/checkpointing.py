@@ -27,7 +27,7 @@ from .policy import CheckpointPolicy, SaveKind
 from .records import CheckpointManifest
 from .retention import Remover
 from .storage import resolve
-from .train_module import ModelAndOptim, ModelWeights, TrainModule
+from .train_module import TrainModule
 
 log = logging.getLogger(__name__)
 
@@ -126,15 +126,33 @@ class Checkpointing:
         Called on: all ranks.
         """
         if self.policy.final_save == "model_only":
-            if not isinstance(train_module, ModelAndOptim):
+            weights = getattr(train_module, "weights", None)
+            if not callable(weights):
                 raise ConfigurationError(
-                    "final_save='model_only' needs a ModelAndOptim train module (got "
-                    f"{type(train_module).__name__}); save ModelWeights-like state yourself or "
-                    "use final_save='full'"
+                    "final_save='model_only' needs a train module with a weights(dtype) view "
+                    f"(ModelAndOptim, ModelAndStates; got {type(train_module).__name__}); save "
+                    "ModelWeights-like state yourself or use final_save='full'"
                 )
             dtype = getattr(torch, self.policy.final_dtype) if self.policy.final_dtype else None
-            train_module = ModelWeights(train_module, dtype)
+            train_module = weights(dtype)
         return self.save(step, train_module, train_state)
+
+    def wait_for_staging(self) -> None:
+        """Block until the state of the last background save is copied to CPU memory (with
+        the policy's `overlap_staging`); call it before the optimizer step. Returns at once
+        when nothing is being staged; raises `CheckpointError` if staging failed.
+
+        Called on: all ranks.
+        """
+        try:
+            self.checkpointer.wait_for_staging()
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(
+                f"staging the checkpoint into CPU memory failed ({type(e).__name__}: {e}); "
+                f"the save to '{self.save_folder}' is abandoned and earlier checkpoints are kept"
+            ) from e
 
     def finish(self) -> None:
         """Wait for the in-flight save and every deletion; raise `CheckpointError` for a save
@@ -190,7 +208,13 @@ class Checkpointing:
         ephemeral = kind is SaveKind.EPHEMERAL
         save = _Save(step, path, kind, time.perf_counter())
         if save_async:
-            future = self.checkpointer.save_async(path, train_module, state, ephemeral=ephemeral)
+            future = self.checkpointer.save_async(
+                path,
+                train_module,
+                state,
+                ephemeral=ephemeral,
+                overlap_staging=self.policy.overlap_staging,
+            )
             log.info(
                 "checkpoint event: saving %s '%s' in the background (training blocked %.2fs)",
                 kind.value,

@@ -81,6 +81,10 @@ class CheckpointPolicy(BaseModel):
     the newest checkpoint; `never` deletes nothing."""
     save_async: bool = True
     """Write checkpoints in the background after staging them in CPU memory."""
+    overlap_staging: bool = False
+    """With `save_async`: return from a save before the copy to CPU memory is done, so the copy
+    overlaps the next forward/backward; the trainer then calls `Checkpointing.wait_for_staging()`
+    before its optimizer step (torchtitan's `maybe_wait_for_staging`)."""
     final_save: Literal["full", "model_only"] = "full"
     """What the final checkpoint of a run holds (`Checkpointing.save_final`): everything, or
     the model weights only (smaller; for evaluation and release, not for resuming training)."""
@@ -114,6 +118,11 @@ class CheckpointPolicy(BaseModel):
             raise ValueError(
                 f"final_dtype={self.final_dtype} applies only to final_save='model_only' "
                 f"(final_save is '{self.final_save}'); set final_save or drop final_dtype"
+            )
+        if self.overlap_staging and not self.save_async:
+            raise ValueError(
+                "overlap_staging=True applies only to background saves (save_async is false); "
+                "set save_async: true or drop overlap_staging"
             )
         if any(s < 0 for s in self.fixed_steps):
             raise ValueError(f"fixed_steps must be steps >= 0, got {list(self.fixed_steps)}")

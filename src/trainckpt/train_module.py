@@ -110,6 +110,10 @@ class ModelAndOptim:
             raise AttributeError("this ModelAndOptim has several optimizers: use .optims")
         return self.optims[0] if self.optims else None
 
+    def weights(self, dtype: torch.dtype | None = None) -> ModelWeights:
+        """A `TrainModule` that saves the model weights only, floating tensors cast to `dtype`."""
+        return ModelWeights(self, dtype)
+
     def _check_unique_names(self) -> None:
         seen: dict[str, int] = {}
         for i, part in enumerate(self.parts):
