@@ -7,10 +7,12 @@ median of `--repeats` runs with its min–max. Loads are cold (page cache droppe
 process may drop it (root), else warm, and the table says which. Each load is checked: the
 model and optimizer are zeroed before it and must match the saved state after it.
 
-    python scripts/bench.py                      # ~1.2 GB state, 3 repeats, with the GCS part
+    python scripts/bench.py                      # ~1.2 GB state, 3 repeats, GCS, training
     python scripts/bench.py --size-mb 64 --repeats 1 --no-gcs --json out.json
+    python scripts/bench.py --training-only --train-size-mb 600 --repeats 5
 
-The GCS part runs against fake-gcs-server on 127.0.0.1 (`scripts/bench_gcs.py`).
+The GCS part runs against fake-gcs-server on 127.0.0.1 (`scripts/bench_gcs.py`); the last part
+trains a small model while each contender saves in the background (`scripts/bench_train.py`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import Timer, fingerprint, make_module, state_tensors, zero_state  # noqa: E402
+from bench_train import CONTENDERS as TRAIN_CONTENDERS  # noqa: E402
+from bench_train import LABELS as TRAIN_LABELS  # noqa: E402
+from bench_train import PEERS as TRAIN_PEERS  # noqa: E402
+from bench_train import bench_training  # noqa: E402
 
 from trainckpt import Checkpointer, CheckpointerConfig, ModelAndOptim  # noqa: E402
 
@@ -310,8 +316,8 @@ def table(results: dict[str, dict[str, Any]], nbytes: int, cold: bool) -> str:
 
 def targets(report: dict[str, Any]) -> list[str]:
     """The issue's targets, each with this run's ratio (medians of the same run)."""
-    r = {k: v["median"] for k, v in report["results"].items()}
-    out = []
+    r = {k: v["median"] for k, v in report.get("results", {}).items()}
+    out: list[str] = []
 
     def line(what: str, value: float | None, target: str, ok: bool | None) -> None:
         shown = "n/a" if value is None else f"{value:.2f}"
@@ -336,6 +342,7 @@ def targets(report: dict[str, Any]) -> list[str]:
     )
     x = ratio("trainckpt load", "OLMo-core load")
     line("load / OLMo-core load", x, "<= 1.0", None if x is None else x <= 1.0)
+    out.extend(training_targets(report.get("training", {}).get("results", {})))
     gcs = report.get("gcs", {}).get("results", {})
     for op in ("save", "load"):
         a, b = gcs.get(f"GCS trainckpt {op}"), gcs.get(f"GCS OLMo-core {op}")
@@ -347,6 +354,36 @@ def targets(report: dict[str, Any]) -> list[str]:
         line("latest_checkpoint requests, OLMo-core / trainckpt", x, ">= 10", x >= 10)
     imp = report.get("import", {}).get("import trainckpt after torch", {}).get("median")
     line("import trainckpt after torch, s", imp, "<= 0.3", None if imp is None else imp <= 0.3)
+    return out
+
+
+def training_targets(res: dict[str, dict[str, Any]]) -> list[str]:
+    """Training time lost to each trainckpt background save: against the floor's (<= 1.2x)
+    and below every peer's."""
+    out = []
+    lost = {
+        k: res[TRAIN_LABELS[k]]["lost_s"]["median"] for k in TRAIN_LABELS if TRAIN_LABELS[k] in res
+    }
+    floor = lost.get("floor")
+    peers = {k: v for k, v in lost.items() if k in TRAIN_PEERS}
+    for key in ("async", "overlap"):
+        if key not in lost:
+            continue
+        label = TRAIN_LABELS[key]
+        if floor is not None:
+            x = lost[key] / floor if floor > 0 else None
+            verdict = "not measured" if x is None else ("met" if x <= 1.2 else "NOT met")
+            shown = "n/a (the floor lost no time)" if x is None else f"{x:.2f}"
+            out.append(
+                f"target {label}: training lost / floor's: {shown} (want <= 1.2) -> {verdict}"
+            )
+        if peers:
+            theirs = ", ".join(f"{TRAIN_LABELS[k]} {v:.2f}s" for k, v in peers.items())
+            verdict = "met" if all(lost[key] < v for v in peers.values()) else "NOT met"
+            out.append(
+                f"target {label}: training lost {lost[key]:.2f}s below every peer's ({theirs}) "
+                f"-> {verdict}"
+            )
     return out
 
 
@@ -407,26 +444,49 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-gcs", action="store_true", help="skip the fake-gcs-server part")
     p.add_argument("--gcs-size-mb", type=float, default=200.0)
     p.add_argument("--gcs-checkpoints", type=int, default=200)
+    p.add_argument("--no-training", action="store_true", help="skip the training-loop part")
+    p.add_argument("--training-only", action="store_true", help="run only the training-loop part")
+    p.add_argument("--train-size-mb", type=float, default=600.0, help="state saved while training")
+    p.add_argument(
+        "--train-only",
+        default="",
+        help=f"comma-separated subset of {','.join(TRAIN_CONTENDERS)} (training part)",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     # DCP says on every single-process call that it assumes a single process; it is right.
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
     root = Path(tempfile.mkdtemp(prefix="trainckpt-bench-", dir=args.dir))
+    report: dict[str, Any] = {"machine": machine(root), "notes": []}
     try:
-        report = _bench(args, root)
+        if not args.training_only:
+            _bench(args, root, report)
+        if not args.no_training:
+            report["training"] = bench_training(
+                args.train_size_mb, args.repeats, root / "training", args.train_only
+            )
+            report["notes"] += report["training"]["notes"]
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    report["targets"] = targets(report)
+    print()
+    for line in report["targets"]:
+        print(line)
+    for note in report["notes"]:
+        print(f"note: {note}")
+    report["machine"]["load_average_at_end"] = os.getloadavg()
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return 0
 
 
-def _bench(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+def _bench(args: argparse.Namespace, root: Path, report: dict[str, Any]) -> None:
+    """The save and load rows, import times and the GCS part, into `report`."""
     module = make_module(args.size_mb)
     tensors = [t for _, t in state_tensors(module.state_dict_to_save())]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    info = machine(root)
+    info = report["machine"]
     print(
         f"state: {nbytes / 1e9:.3f} GB in {len(tensors)}"
         f" tensors; {info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB, "
@@ -437,7 +497,7 @@ def _bench(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     ckpt = CheckpointerConfig(work_dir=root / "work").build()
     wanted = set(args.only.split(",")) if args.only else set(CONTENDERS)
     contenders = []
-    notes = []
+    notes = report["notes"]
     for key in CONTENDERS:
         if key not in wanted:
             continue
@@ -461,15 +521,13 @@ def _bench(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     identical = async_matches_sync(module, ckpt, root) if "async" in wanted else None
     ckpt.close()
     results = rows(contenders, samples)
-    report: dict[str, Any] = {
-        "machine": info,
-        "state_bytes": nbytes,
-        "repeats": args.repeats,
-        "loads": "cold" if cold else "warm",
-        "results": results,
-        "async_files_identical_to_sync": identical,
-        "notes": notes,
-    }
+    report.update(
+        state_bytes=nbytes,
+        repeats=args.repeats,
+        loads="cold" if cold else "warm",
+        results=results,
+        async_files_identical_to_sync=identical,
+    )
     print()
     print(table(results, nbytes, cold))
     print(f"save_async files identical to save's (size + CRC32C): {identical}")
@@ -486,14 +544,6 @@ def _bench(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         from bench_gcs import bench_gcs
 
         report["gcs"] = bench_gcs(args.gcs_size_mb, args.gcs_checkpoints, args.repeats, root)
-    report["targets"] = targets(report)
-    print()
-    for line in report["targets"]:
-        print(line)
-    for note in notes:
-        print(f"note: {note}")
-    report["machine"]["load_average_at_end"] = os.getloadavg()
-    return report
 
 
 if __name__ == "__main__":

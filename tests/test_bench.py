@@ -18,7 +18,7 @@ def test_bench_runs_and_prints_its_table(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     args = ["--size-mb", "8", "--repeats", "1", "--import-repeats", "1"]
     args += ["--gcs-size-mb", "4", "--gcs-checkpoints", "5", "--dir", str(tmp_path)]
-    args += ["--json", str(out)]
+    args += ["--train-size-mb", "4", "--json", str(out)]
     run = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench.py"), *args],
         capture_output=True,
@@ -39,6 +39,11 @@ def test_bench_runs_and_prints_its_table(tmp_path: Path) -> None:
         "GCS trainckpt load",
         "trainckpt latest_checkpoint (5 ckpts)",
         "import trainckpt after torch",
+        "floor: other process write+fsync",
+        "trainckpt save_async(overlap)",
+        "DCP async_save (process)",
+        "OLMo-core save_async",
+        "target trainckpt save_async: training lost / floor's",
     ):
         assert row in run.stdout, row
     report = json.loads(out.read_text())
@@ -46,4 +51,9 @@ def test_bench_runs_and_prints_its_table(tmp_path: Path) -> None:
     for name, r in report["results"].items():
         assert 0 < r["min"] <= r["median"] <= r["max"], name
     assert report["gcs"]["latest_checkpoint"]["trainckpt"]["requests"] >= 1
+    training = report["training"]["results"]
+    assert len(training) == 6  # the floor, two trainckpt modes, DCP thread and process, OLMo-core
+    for name, r in training.items():
+        assert r["steps_during"]["min"] >= 1, name  # training went on during every save
+        assert 0 < r["committed_s"]["min"] <= r["committed_s"]["max"], name
     assert list((tmp_path).iterdir()) == [out]  # the benchmark's own files are removed
