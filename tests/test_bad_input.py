@@ -140,7 +140,11 @@ class Opaque:
 @pytest.mark.parametrize(
     ("value", "culprit", "hint"),
     [
-        (np.arange(3), "'extra.data[1]' is a numpy.ndarray", "torch.from_numpy"),
+        (
+            np.array([1, None], dtype=object),
+            "'extra.data[1]' is a numpy.ndarray of dtype object",
+            "object arrays to lists",
+        ),
         (Opaque(), "'extra.data[1]' is a test_bad_input.Opaque", "convert other objects first"),
     ],
 )
@@ -186,11 +190,9 @@ def test_trainer_state_pickle_that_would_run_a_command(tmp_path, saved, level):
     rerecord(saved, "train/rank0.pt")  # the manifest vouches for it: only weights_only stands
     assert Checkpointer.verify(saved, deep=True).ok
     c = CheckpointerConfig(work_dir=tmp_path / "work", verify_on_load=level).build()
-    with pytest.raises(CheckpointError, match=str(rank0)) as info:
+    with pytest.raises(UnsafeCheckpointError, match=str(rank0)) as info:
         c.load(saved, fresh_module())
-    assert isinstance(info.value, CorruptCheckpointError) and "nothing from it was run" in str(
-        info.value
-    )
+    assert "nothing from it was run" in str(info.value)
     assert not marker.exists()
 
 
