@@ -7,6 +7,7 @@ Writes `OUT_DIR/rank{R}.json`: the scenario's result, or the error it raised.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
+from exit_worker import save_then_end  # noqa: E402
 from models import TinyNet, make_module  # noqa: E402
 
 from trainckpt import CheckpointerConfig, ModelAndOptim  # noqa: E402
@@ -92,13 +94,25 @@ def async_interleaved(folder: str) -> dict:
     return {"steps": sorted(expected)}
 
 
-SCENARIOS = {f.__name__: f for f in (not_shared, rank_fails, async_interleaved)}
+def exit_mid_save(folder: str, how: str, exit_timeout: str) -> dict:
+    """Start an async save on every rank, then end the process by `how` (see `exit_worker`)
+    through the interpreter's own exit: writes no result file."""
+    save_then_end(folder, how, float(exit_timeout), f"/tmp/trainckpt-w{dist.get_rank()}")
+    return {}
+
+
+SCENARIOS = {f.__name__: f for f in (not_shared, rank_fails, async_interleaved, exit_mid_save)}
+ENDS_PROCESS = {"exit_mid_save"}
 
 
 def main() -> None:
     scenario, out, *args = sys.argv[1:]
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo")
+    if scenario in ENDS_PROCESS:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        SCENARIOS[scenario](*args)
+        return
     try:
         result = {"ok": True, **SCENARIOS[scenario](*args)}
     except BaseException as e:

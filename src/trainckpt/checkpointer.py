@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from . import dist, finders, layout
+from . import dist, exit_guard, finders, layout
 from .commit import OnFile, SaveRequest, is_committed, save_checkpoint
 from .errors import (
     CheckpointError,
@@ -71,6 +71,7 @@ class Checkpointer:
     collective_timeout: float = 600.0
     retry_deadline: float = 300.0
     verify_on_load: VerifyOnLoad = "size"
+    exit_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         self.work_dir = Path(self.work_dir)
@@ -84,6 +85,7 @@ class Checkpointer:
         )
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="trainckpt-save")
         self._pending: Future[str] | None = None
+        self._pending_dir = ""
         self._staging: Future[None] | None = None
         self._stager = Stager()
         self._lock = threading.Lock()
@@ -130,6 +132,10 @@ class Checkpointer:
         reports the checkpoint. One save runs at a time: this call first waits for the previous
         one (and raises its error, if it failed). Staging reuses one CPU copy of the state.
 
+        A process that ends without `close()` (returns, raises, `sys.exit`, SIGTERM with its
+        default action) first waits up to `exit_timeout` seconds for the save to commit, or
+        logs an ERROR naming it (`exit_guard`).
+
         Called on: all ranks.
         """
         self._finish_pending()
@@ -158,8 +164,16 @@ class Checkpointer:
 
         with self._lock:
             self._staging = staging
+            self._pending_dir = req.dir
             self._pending = self._executor.submit(run)
+            exit_guard.watch(self)
             return self._pending
+
+    def in_flight(self) -> tuple[str, Future[str]] | None:
+        """The target and future of the async save not waited for yet, if any (read without
+        the lock: the exit hooks call it, possibly while the main thread holds the lock)."""
+        pending = self._pending
+        return None if pending is None else (self._pending_dir, pending)
 
     def wait_for_staging(self) -> None:
         """Block until the state of the last `save_async(..., overlap_staging=True)` is copied

@@ -47,6 +47,10 @@ class CheckpointerConfig(BaseModel):
     retry_deadline: float = Field(default=300.0, gt=0)
     """Seconds a remote storage request may keep retrying transient errors."""
     verify_on_load: VerifyOnLoad = "size"
+    exit_timeout: float = Field(default=300.0, ge=0)
+    """Seconds a process that ends (or gets SIGTERM, where the trainer has no handler of its
+    own) without `close()` waits for its in-flight async save to commit; a save that does not
+    commit in time is logged as an ERROR naming it. 0 does not wait."""
     """Check files against the manifest before loading: none, size (cheap) or full (CRC32C)."""
 
     @classmethod
