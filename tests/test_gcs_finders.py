@@ -25,16 +25,27 @@ UNCOMMITTED_NEWEST = 3  # crashed saves newer than every committed checkpoint
 
 class RequestCounter:
     """Counts the requests an SDK client sends, by kind: `list`, `object` (metadata or media of
-    one object), `other`."""
+    one object), `bucket-check`, `other`.
+
+    `bucket-check` is the SDK's own background probe (`GET /b/BUCKET?fields=name`) that its
+    bucket metadata cache fires after a download answered 404 (a missing commit record): it
+    runs on an SDK thread, never in the finder's path, so it is counted apart."""
 
     def __init__(self) -> None:
         self.kinds: Counter[str] = Counter()
         self.log: list[str] = []
 
     def classify(self, method: str, url: str) -> str:
-        path = urllib.parse.urlsplit(url).path
+        parts = urllib.parse.urlsplit(url)
+        path = parts.path
         if method == "GET" and path.endswith("/o"):
             return "list"
+        if (
+            method == "GET"
+            and path.rstrip("/").split("/")[-2] == "b"
+            and "fields=name" in parts.query
+        ):
+            return "bucket-check"
         if "/o/" in path:
             return "object"
         return "other"

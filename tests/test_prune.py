@@ -63,12 +63,18 @@ def test_more_to_keep_than_exist_deletes_only_leftovers():
     assert deleted(entries, keep_last=5, keep_ephemeral=False) == ["step300-tmp"]
 
 
-def test_unreadable_commit_record_is_kept_for_a_human_to_look_at():
-    entries = [entry("step100", ephemeral=None), entry("step200"), entry("step300")]
+def test_damaged_record_is_kept_for_a_human_to_look_at():
+    entries = [entry("step100", "damaged"), entry("step200"), entry("step300")]
     plan = plan_prune("/runs", entries, keep_last=1, keep_ephemeral=False)
     assert [e.name for e in plan.to_delete] == ["step200"]
     kept = {d.entry.name: d.reason for d in plan.decisions if not d.delete}
-    assert "unreadable" in kept["step100"]
+    assert "damaged" in kept["step100"]
+
+
+def test_a_damaged_newest_folder_never_costs_the_newest_good_checkpoint():
+    # the newest good checkpoint is ephemeral: only "newest committed" keeps it
+    entries = [entry("step100"), entry("step200", ephemeral=True), entry("step300", "damaged")]
+    assert deleted(entries, keep_last=1, keep_ephemeral=False) == []
 
 
 def test_refuses_folders_without_committed_checkpoints_and_bad_keep_last():

@@ -24,7 +24,7 @@ from . import dist, layout
 from .checkpointer import Checkpointer
 from .errors import CheckpointError, ConfigurationError
 from .policy import CheckpointPolicy, SaveKind
-from .records import CheckpointManifest
+from .records import read_manifest
 from .retention import Remover
 from .storage import resolve
 from .train_module import TrainModule
@@ -295,9 +295,7 @@ def _checkpoint_bytes(path: str) -> int:
     """Total size of a committed checkpoint's files, from its manifest (0 if unreadable)."""
     storage, folder = resolve(path)
     try:
-        manifest = CheckpointManifest.from_json(
-            storage.read_bytes(storage.join(folder, layout.MANIFEST_FILE)), folder
-        )
+        manifest = read_manifest(storage, folder)
     except (CheckpointError, OSError):
         return 0
     return sum(f.size for f in manifest.files.values())

@@ -16,6 +16,7 @@ from typing import Any
 import google_crc32c
 
 from .records import FileEntry
+from .storage.local import writing
 
 _CRC_CHUNK = 1 << 20
 """google_crc32c accepts only `bytes`: large buffers are copied into it in chunks this big, so
@@ -73,9 +74,10 @@ def checksummed_file(path: Path, *, fsync: bool = True) -> Iterator[ChecksummedW
     """Create `path` (refusing an existing file), yield its writer, then flush and (unless
     `fsync=False`, for a scratch copy) fsync it.
 
-    The caller reads `writer.entry()` after the block: by then the bytes are durable.
+    The caller reads `writer.entry()` after the block: by then the bytes are durable. An
+    `OSError` (no space, read-only, permission) is a `StorageError` naming `path`.
     """
-    with open(path, "xb", buffering=_BUFFER) as f:
+    with writing(path), open(path, "xb", buffering=_BUFFER) as f:
         writer = ChecksummedWriter(f)
         yield writer
         f.flush()

@@ -23,6 +23,7 @@ from .faults import fault_point
 from .layout import MANIFEST_FILE, METADATA_FILE, tmp_name
 from .records import CheckpointManifest, CheckpointMetadata, FileEntry
 from .storage import Storage
+from .storage.local import writing
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +169,8 @@ def _prepare_tmp(storage: Storage, dir: str, tmp: str, overwrite: bool) -> str:
     if local_tmp.exists():
         log.warning("removing '%s': the working folder of an interrupted save", tmp)
         storage.delete_tree(tmp)
-    local_tmp.mkdir(parents=True)
+    with writing(local_tmp):
+        local_tmp.mkdir(parents=True)
     token = uuid.uuid4().hex
     storage.write_bytes(storage.join(tmp, PROBE_PREFIX + token), b"")
     return token

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.planner import (
 from . import dist
 from .errors import CheckpointError, CorruptCheckpointError, StorageError, UnsafeCheckpointError
 from .layout import DCP_METADATA_FILE
-from .records import FileEntry, crc32c_file
+from .records import MAX_DCP_METADATA_BYTES, FileEntry, crc32c_file, read_record_bytes
 from .shard_reader import ParallelReader
 from .shard_writer import RecordingWriter
 from .storage import Storage
@@ -170,7 +170,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 def read_dcp_metadata(storage: Storage, folder: str) -> Metadata:
     """DCP's `.metadata` of `folder`, read safely."""
     where = storage.join(folder, DCP_METADATA_FILE)
-    data = storage.read_bytes(where)
+    data = read_record_bytes(storage, where, MAX_DCP_METADATA_BYTES)
     try:
         md = _MetadataUnpickler(io.BytesIO(data)).load()
     except UnsafeCheckpointError as e:

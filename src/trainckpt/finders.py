@@ -1,17 +1,25 @@
 """Finding checkpoints and their parts in storage: step folders in one listing, commit records,
 the DCP folder and the saved world size. Pure reads through the storage interface; no process
-group (the classmethods of `Checkpointer` call these)."""
+group (the classmethods of `Checkpointer` call these).
+
+A step folder counts as a checkpoint only when its commit record exists and parses: one whose
+record is damaged or hostile is skipped with a warning naming it, so a resume falls back to the
+newest checkpoint that is intact.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
-from . import layout
+from . import layout, records
 from .commit import is_committed
 from .errors import CheckpointNotFoundError, ConfigurationError, CorruptCheckpointError
-from .records import CheckpointManifest, CheckpointMetadata
+from .records import CheckpointMetadata
 from .storage import Storage
 from .verify import require_folder
+
+log = logging.getLogger(__name__)
 
 
 def step_folders(storage: Storage, path: str) -> list[tuple[int, str]]:
@@ -30,26 +38,19 @@ def find_checkpoints(
     storage: Storage, path: str, ephemeral: bool | None = None
 ) -> Iterator[tuple[int, str]]:
     """Committed checkpoints directly under `path`, ascending by step: one listing, then one
-    request per step folder (an existence check of its commit record, or with the `ephemeral`
-    filter a read of it; a missing one means not committed)."""
+    read of each step folder's commit record (a missing one means not committed, a damaged
+    one is skipped with a warning)."""
     for step, ckpt in step_folders(storage, path):
-        if ephemeral is None:
-            if is_committed(storage, ckpt):
-                yield step, ckpt
-            continue
-        try:
-            record = read_metadata(storage, ckpt)
-        except CheckpointNotFoundError:
-            continue
-        if record.ephemeral == ephemeral:
+        record = commit_record(storage, ckpt)
+        if record is not None and ephemeral in (None, record.ephemeral):
             yield step, ckpt
 
 
 def latest_checkpoint(storage: Storage, path: str) -> str:
     """The committed checkpoint with the highest step under `path`, probing from the newest
-    down; `CheckpointNotFoundError` when there is none."""
+    down (one read per step folder probed); `CheckpointNotFoundError` when there is none."""
     for _step, ckpt in reversed(step_folders(storage, path)):
-        if is_committed(storage, ckpt):
+        if commit_record(storage, ckpt) is not None:
             return ckpt
     raise CheckpointNotFoundError(
         f"no committed checkpoint in '{path}' (looked for step folders holding "
@@ -57,26 +58,35 @@ def latest_checkpoint(storage: Storage, path: str) -> str:
     )
 
 
+def commit_record(storage: Storage, ckpt: str) -> CheckpointMetadata | None:
+    """The commit record of step folder `ckpt`; None when it has none (not committed) or when
+    the record is damaged, which is logged as a warning naming the file."""
+    try:
+        return records.read_metadata(storage, ckpt)
+    except FileNotFoundError:
+        return None
+    except CorruptCheckpointError as e:
+        log.warning("skipping '%s': %s", ckpt, e)
+        return None
+
+
 def read_metadata(storage: Storage, path: str) -> CheckpointMetadata:
     """The commit record of the checkpoint at `path`."""
-    where = storage.join(path, layout.METADATA_FILE)
     try:
-        data = storage.read_bytes(where)
+        return records.read_metadata(storage, path)
     except FileNotFoundError as e:
         raise CheckpointNotFoundError(
-            f"'{path}' is not a committed checkpoint: '{where}' does not exist"
+            f"'{path}' is not a committed checkpoint: "
+            f"'{storage.join(path, layout.METADATA_FILE)}' does not exist"
         ) from e
-    return CheckpointMetadata.from_json(data, where)
 
 
 def saved_world_size(storage: Storage, path: str) -> int | None:
     """The world size recorded in a checkpoint's manifest; None without one (OLMo-core's)."""
-    where = storage.join(path, layout.MANIFEST_FILE)
     try:
-        data = storage.read_bytes(where)
+        return records.read_manifest(storage, path).world_size
     except FileNotFoundError:
         return None
-    return CheckpointManifest.from_json(data, where).world_size
 
 
 def dcp_folder(storage: Storage, path: str) -> str:

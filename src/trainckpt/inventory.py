@@ -22,11 +22,13 @@ from .checkpointer import Checkpointer
 from .dcp import read_dcp_metadata
 from .errors import CheckpointError, CheckpointNotFoundError
 from .finders import dcp_folder
-from .records import CheckpointManifest, CheckpointMetadata
+from .records import CheckpointManifest, CheckpointMetadata, read_manifest, read_metadata
 from .storage import Storage, resolve
 from .trainer_state import deserialize_trainer_state
 
-FolderState = Literal["committed", "uncommitted", "tmp"]
+FolderState = Literal["committed", "damaged", "uncommitted", "tmp"]
+"""`damaged`: a commit record is there, but it or the manifest cannot be read (see the note);
+finders skip such a folder, retention and `prune` keep it for a person to look at."""
 
 _RANK_FILE_RE = re.compile(rf"^{layout.TRAIN_DIR}/rank\d+\.pt$")
 
@@ -88,20 +90,24 @@ def _describe_entry(storage: Storage, path: str, name: str, step: int, tmp: bool
     committed = layout.METADATA_FILE in files
     state: FolderState = "tmp" if tmp else "committed" if committed else "uncommitted"
     notes: list[str] = []
+    damaged: list[str] = []
     ephemeral: bool | None = None
     if committed:
         try:
-            ephemeral = Checkpointer.read_metadata(path).ephemeral
+            ephemeral = read_metadata(storage, path).ephemeral
         except CheckpointError as e:
-            notes.append(f"unreadable commit record: {e}")
+            damaged.append(f"unreadable commit record: {e}")
     manifest: CheckpointManifest | None = None
     if layout.MANIFEST_FILE in files:
         try:
-            manifest = _read_manifest(storage, path)
+            manifest = read_manifest(storage, path)
         except CheckpointError as e:
-            notes.append(f"unreadable manifest: {e}")
+            damaged.append(f"unreadable manifest: {e}")
     elif committed:
         notes.append("no manifest (unverifiable)")
+    if damaged and state == "committed":
+        state = "damaged"
+    notes = damaged + notes
     world_size = manifest.world_size if manifest else _count_rank_files(files)
     return FolderEntry(
         name=name,
@@ -117,16 +123,11 @@ def _describe_entry(storage: Storage, path: str, name: str, step: int, tmp: bool
     )
 
 
-def _read_manifest(storage: Storage, path: str) -> CheckpointManifest:
-    where = storage.join(path, layout.MANIFEST_FILE)
-    return CheckpointManifest.from_json(storage.read_bytes(where), where)
-
-
 def manifest_bytes(ckpt: str) -> int | None:
     """Total size of the files a checkpoint's manifest lists, or None without a readable one."""
     storage, path = resolve(ckpt)
     try:
-        manifest = _read_manifest(storage, path)
+        manifest = read_manifest(storage, path)
     except (CheckpointError, FileNotFoundError):
         return None
     return sum(e.size for e in manifest.files.values())
@@ -241,7 +242,7 @@ def describe_checkpoint(ckpt: str) -> CheckpointReport:
         )
     manifest: CheckpointManifest | None = None
     if storage.exists(storage.join(path, layout.MANIFEST_FILE)):
-        manifest = _read_manifest(storage, path)
+        manifest = read_manifest(storage, path)
     elif metadata is not None:
         notes.append("no manifest: the checkpoint cannot be verified (written by OLMo-core?)")
     rank_files = _trainer_state_files(storage, path)

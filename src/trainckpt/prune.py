@@ -48,7 +48,8 @@ def plan_prune(
 
     Kept: the newest `keep_last` permanent committed checkpoints; the newest committed
     checkpoint whatever its kind (the run resumes from it); ephemeral ones with
-    `keep_ephemeral`; committed ones whose commit record cannot be read (look at them first).
+    `keep_ephemeral`; damaged ones, whose commit record or manifest cannot be read (a person
+    looks at them first; they never count as the newest).
     Deleted: every other committed checkpoint, and all uncommitted and `-tmp` leftovers.
     Refuses a folder holding no committed checkpoint (most likely a wrong path).
     """
@@ -83,12 +84,12 @@ def _decide(
         return Decision(e, True, "leftover of an interrupted save (-tmp)")
     if e.state == "uncommitted":
         return Decision(e, True, "uncommitted leftover (no commit record)")
+    if e.state == "damaged":
+        return Decision(e, False, "damaged record: inspect it, then delete it by hand")
     if e.path in kept_permanent:
         return Decision(e, False, f"one of the newest {keep_last} permanent")
     if e is newest:
         return Decision(e, False, "newest committed checkpoint")
-    if e.ephemeral is None:
-        return Decision(e, False, "commit record unreadable: inspect it, then delete by hand")
     if e.ephemeral:
         if keep_ephemeral:
             return Decision(e, False, "ephemeral (--keep-ephemeral)")

@@ -1,4 +1,10 @@
-"""`.metadata.json` and `.manifest.json` as pydantic models, plus the CRC32C helpers they need."""
+"""`.metadata.json` and `.manifest.json` as pydantic models, the one size-bounded way to read
+them (and DCP's `.metadata`) from storage, plus the CRC32C helpers they need.
+
+Records come from whoever wrote the checkpoint, so they are read as hostile input: a record is
+refused by its size before it is read, and anything that does not parse into the model (deep
+nesting, oversized integers, wrong types) is a `CorruptCheckpointError` naming the file.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +13,27 @@ import datetime as _dt
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 import google_crc32c
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import __version__
 from .errors import CorruptCheckpointError
-from .layout import FORMAT_VERSION
+from .layout import FORMAT_VERSION, MANIFEST_FILE, METADATA_FILE
 
 _CHUNK = 8 * 1024 * 1024
+
+MAX_METADATA_BYTES = 64 * 1024
+"""Largest `.metadata.json` read. A commit record is about 40 bytes (two fields)."""
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+"""Largest `.manifest.json` read: about 700,000 files at ~90 bytes per entry, far more than a
+job of 10,000 ranks writes (one trainer-state file and a few shards per rank)."""
+MAX_DCP_METADATA_BYTES = 1024 * 1024 * 1024
+"""Largest DCP `.metadata` pickle read. It grows with values x shards (a chunk entry per
+shard of each tensor): a few hundred MB for a large FSDP job on thousands of ranks."""
+
+_DAMAGED = "the checkpoint is damaged: delete it or restore it from a copy"
 
 
 class CheckpointMetadata(BaseModel):
@@ -45,6 +62,8 @@ class CheckpointMetadata(BaseModel):
                 f"{where} is not a valid commit record ({e.errors()[0]['msg']}); "
                 "the checkpoint cannot be trusted: delete it or restore it from a copy"
             ) from e
+        except (ValueError, RecursionError, MemoryError) as e:
+            raise _unparsable(where, e) from e
 
 
 class FileEntry(BaseModel):
@@ -91,6 +110,8 @@ class CheckpointManifest(BaseModel):
                 f"{where} is not a valid manifest ({loc}: {err['msg']}); "
                 "the checkpoint cannot be verified: delete it or restore it from a copy"
             ) from e
+        except (ValueError, RecursionError, MemoryError) as e:
+            raise _unparsable(where, e) from e
 
     @classmethod
     def merge(
@@ -102,19 +123,69 @@ class CheckpointManifest(BaseModel):
         return cls(step=step, world_size=world_size, files=dict(sorted(files.items())))
 
 
+class RecordSource(Protocol):
+    """What reading a record needs of a `Storage` (kept structural: storage imports this
+    module, not the other way round)."""
+
+    def join(self, base: str, *parts: str) -> str: ...
+
+    def read_bytes(self, location: str, start: int = 0, end: int | None = None) -> bytes: ...
+
+
+def read_record_bytes(storage: RecordSource, where: str, limit: int) -> bytes:
+    """The bytes of the record file `where`, refused when larger than `limit`.
+
+    One read of at most `limit + 1` bytes (a ranged request on object stores), so a huge or
+    growing file never reaches memory. A missing file raises the storage's
+    `FileNotFoundError` (`CheckpointNotFoundError`)."""
+    data = storage.read_bytes(where, 0, limit + 1)
+    if len(data) > limit:
+        raise CorruptCheckpointError(
+            f"{where} is larger than {limit} bytes, more than such a record ever holds; "
+            f"it was not read: {_DAMAGED}"
+        )
+    return data
+
+
+def read_metadata(storage: RecordSource, ckpt: str) -> CheckpointMetadata:
+    """The commit record of checkpoint folder `ckpt`, size-bounded and validated. Raises
+    `FileNotFoundError` when there is none, `CorruptCheckpointError` when it is malformed."""
+    where = storage.join(ckpt, METADATA_FILE)
+    data = read_record_bytes(storage, where, MAX_METADATA_BYTES)
+    return CheckpointMetadata.from_json(data, where)
+
+
+def read_manifest(storage: RecordSource, ckpt: str) -> CheckpointManifest:
+    """The manifest of checkpoint folder `ckpt`, size-bounded and validated. Raises
+    `FileNotFoundError` when there is none, `CorruptCheckpointError` when it is malformed."""
+    where = storage.join(ckpt, MANIFEST_FILE)
+    data = read_record_bytes(storage, where, MAX_MANIFEST_BYTES)
+    return CheckpointManifest.from_json(data, where)
+
+
 def _parse_json_object(data: bytes, where: str) -> dict:
     try:
         raw = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        what = "empty" if not data.strip() else f"not JSON ({e})"
-        raise CorruptCheckpointError(
-            f"{where} is {what}; the checkpoint is damaged: delete it or restore it from a copy"
-        ) from e
+    except (ValueError, RecursionError, MemoryError) as e:
+        # ValueError: not UTF-8, not JSON, or an integer of more than 4300 digits;
+        # RecursionError: brackets nested deeper than the parser's recursion limit.
+        if not data.strip():
+            raise CorruptCheckpointError(f"{where} is empty; {_DAMAGED}") from e
+        if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)):
+            raise CorruptCheckpointError(f"{where} is not JSON ({e}); {_DAMAGED}") from e
+        raise _unparsable(where, e) from e
     if not isinstance(raw, dict):
         raise CorruptCheckpointError(
-            f"{where} holds {type(raw).__name__}, not a JSON object; the checkpoint is damaged"
+            f"{where} holds {type(raw).__name__}, not a JSON object; {_DAMAGED}"
         )
     return raw
+
+
+def _unparsable(where: str, e: BaseException) -> CorruptCheckpointError:
+    detail = " ".join(str(e).split())[:200] or "no detail"
+    return CorruptCheckpointError(
+        f"{where} is not a valid record ({type(e).__name__}: {detail}); {_DAMAGED}"
+    )
 
 
 def utc_now_iso() -> str:

@@ -15,11 +15,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from . import layout
+from . import finders, layout
 from .checkpointer import Checkpointer
 from .commit import is_committed
 from .errors import CheckpointError
 from .policy import CheckpointInfo, CheckpointPolicy, Leftover
+from .records import read_manifest
 from .storage import resolve
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,10 @@ class FolderState:
 
 class MetadataCache:
     """`ephemeral` flags of committed checkpoints by path; a commit record never changes
-    while its folder exists, so each is read once. Thread-safe."""
+    while its folder exists, so each is read once. Thread-safe.
+
+    A checkpoint counts only when both its records parse: one with a damaged manifest must not
+    become the "newer checkpoint" that an older, intact one is deleted for."""
 
     def __init__(self) -> None:
         self._flags: dict[str, bool] = {}
@@ -47,7 +51,12 @@ class MetadataCache:
         with self._lock:
             if path in self._flags:
                 return self._flags[path]
-        flag = Checkpointer.read_metadata(path).ephemeral
+        storage, ckpt = resolve(path)
+        flag = finders.read_metadata(storage, ckpt).ephemeral
+        try:
+            read_manifest(storage, ckpt)
+        except FileNotFoundError:
+            pass  # written by OLMo-core: valid, only unverifiable
         with self._lock:
             self._flags[path] = flag
         return flag
@@ -80,7 +89,7 @@ def scan_folder(folder: str | os.PathLike, cache: MetadataCache | None = None) -
         try:
             committed.append(CheckpointInfo(step, full, cache.ephemeral(full)))
         except (CheckpointError, OSError) as e:
-            log.warning("keeping '%s': its commit record cannot be read (%s)", full, e)
+            log.warning("keeping '%s', not counted: its records cannot be read (%s)", full, e)
     committed.sort(key=lambda c: c.step)
     leftovers.sort(key=lambda x: x.step)
     return FolderState(committed, leftovers)

@@ -26,12 +26,15 @@ from torch.distributed.checkpoint.filesystem import (
     _split_by_size_and_type,
     _write_item,
 )
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from .checksummed_file import checksummed_file
+from .layout import DCP_METADATA_FILE
 from .records import FileEntry
+from .storage.local import writing
 
 
 class RecordingWriter(FileSystemWriter):
@@ -51,6 +54,16 @@ class RecordingWriter(FileSystemWriter):
         )
         self.written: dict[str, FileEntry] = {}
         self.on_file = on_file
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """DCP's own step (creates the folder), with write errors naming the folder."""
+        with writing(Path(self.path)):
+            return super().prepare_local_plan(plan)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """DCP's own step (rank 0 writes `.metadata`), with write errors naming the file."""
+        with writing(Path(self.path) / DCP_METADATA_FILE):
+            super().finish(metadata, results)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data.prefix

@@ -19,7 +19,7 @@ import google_crc32c
 from . import dist
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .layout import DCP_METADATA_FILE, MANIFEST_FILE, METADATA_FILE, MODEL_DIR, is_safe_relpath
-from .records import CheckpointManifest, CheckpointMetadata, FileEntry
+from .records import CheckpointManifest, FileEntry, read_manifest, read_metadata
 from .storage import Storage
 
 log = logging.getLogger(__name__)
@@ -122,9 +122,9 @@ def verify_checkpoint(
 
 def _read_records(storage: Storage, path: str, report: VerifyReport) -> CheckpointManifest | None:
     """The manifest, or None after noting why the files cannot be checked against one."""
-    meta_at, manifest_at = storage.join(path, METADATA_FILE), storage.join(path, MANIFEST_FILE)
+    meta_at = storage.join(path, METADATA_FILE)
     try:
-        CheckpointMetadata.from_json(storage.read_bytes(meta_at), meta_at)
+        read_metadata(storage, path)
     except CorruptCheckpointError as e:
         report.problems.append(str(e))
     except FileNotFoundError:
@@ -138,7 +138,7 @@ def _read_records(storage: Storage, path: str, report: VerifyReport) -> Checkpoi
             )
         return None
     try:
-        return CheckpointManifest.from_json(storage.read_bytes(manifest_at), manifest_at)
+        return read_manifest(storage, path)
     except CorruptCheckpointError as e:
         report.problems.append(str(e))
         return None

@@ -1,4 +1,11 @@
-"""Local and shared (NFS) filesystems."""
+"""Local and shared (NFS) filesystems.
+
+Every `OSError` of a read or a write leaves as a `CheckpointError` naming the path: a missing
+path as `CheckpointNotFoundError`, anything else (no space, read-only filesystem, permission
+denied, a file where a folder should be) as `StorageError` with advice for what failed: a write
+names space, permissions and another folder; a read names permissions. `writing` and `reading`
+are shared with the DCP shard writer, which writes local files on its own.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +13,90 @@ import errno
 import os
 import shutil
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from ..errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
+from ..errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, StorageError
 from .base import Listing, Storage
+
+_WRITE_ADVICE = {
+    errno.ENOSPC: "no space left on the device: free space, or save to a folder on another disk",
+    errno.EDQUOT: "disk quota exceeded: free space, or save to a folder on another disk",
+    errno.EROFS: "the filesystem is read-only: save to a writable folder",
+    errno.EACCES: "permission denied: give this user write access to the folder, "
+    "or save to another folder",
+    errno.EPERM: "operation not permitted: give this user write access to the folder, "
+    "or save to another folder",
+    errno.EFBIG: "the file is too large for this filesystem or process limit (ulimit -f): "
+    "raise the limit, or save to another folder",
+}
+
+
+def write_failure(path: str | Path, e: OSError) -> StorageError:
+    """The `StorageError` for a failed write of `path`: what failed and what to do."""
+    blocker = _file_in_the_way(Path(path))
+    if blocker is not None:
+        return StorageError(
+            f"cannot write '{path}': '{blocker}' is a file, not a folder; "
+            "move it away, or choose another save folder"
+        )
+    advice = _WRITE_ADVICE.get(e.errno or 0) or (
+        f"{e.strerror or e}: check the disk and its permissions, or save to another folder"
+    )
+    return StorageError(f"cannot write '{path}': {advice}")
+
+
+def read_failure(path: str | Path, e: OSError) -> StorageError:
+    """The `StorageError` for a failed read of `path` (other than a missing file)."""
+    if e.errno in (errno.EACCES, errno.EPERM):
+        advice = "permission denied: give this user read access to it (and its folders)"
+    else:
+        advice = f"{e.strerror or e}: check the disk, or restore the file from a copy"
+    return StorageError(f"cannot read '{path}': {advice}")
+
+
+@contextmanager
+def writing(path: str | Path) -> Iterator[None]:
+    """Turn an `OSError` raised while writing `path` into a `StorageError` with write advice;
+    errors of our family (e.g. `CheckpointExistsError`) pass unchanged."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except OSError as e:
+        raise write_failure(path, e) from e
+
+
+@contextmanager
+def reading(path: str | Path) -> Iterator[None]:
+    """Turn an `OSError` raised while reading `path` into our family: a missing path (or a
+    file where a folder should be) is `CheckpointNotFoundError`, the rest `StorageError`."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (FileNotFoundError, NotADirectoryError) as e:
+        raise CheckpointNotFoundError(f"'{path}' does not exist") from e
+    except IsADirectoryError as e:
+        raise CheckpointNotFoundError(f"'{path}' is a folder, not a file") from e
+    except OSError as e:
+        raise read_failure(path, e) from e
+
+
+def _file_in_the_way(path: Path) -> Path | None:
+    """The nearest existing ancestor of `path` when it is not a folder (so nothing can be
+    created below it), else None."""
+    for parent in path.parents:
+        try:
+            if parent.is_dir():
+                return None
+            if parent.exists() or parent.is_symlink():
+                return parent
+        except OSError:
+            return None
+    return None
 
 
 def fsync_dir(path: Path) -> None:
@@ -62,43 +147,43 @@ class LocalStorage(Storage):
             raise CheckpointNotFoundError(
                 f"'{location}' is a file, not a folder: pass the folder that holds checkpoints"
             ) from e
+        except OSError as e:
+            raise read_failure(location, e) from e
         return Listing(dirs=sorted(dirs), files=files)
 
     def list_files(self, location: str) -> dict[str, int]:
         root = Path(location)
         if not root.is_dir():
             raise CheckpointNotFoundError(f"folder '{location}' does not exist")
+
+        def fail(e: OSError) -> None:
+            raise read_failure(e.filename or location, e) from e
+
         out: dict[str, int] = {}
-        for dirpath, _dirnames, filenames in os.walk(root):
-            for fname in filenames:
-                p = Path(dirpath) / fname
-                out[p.relative_to(root).as_posix()] = p.stat().st_size
+        with reading(location):
+            for dirpath, _dirnames, filenames in os.walk(root, onerror=fail):
+                for fname in filenames:
+                    p = Path(dirpath) / fname
+                    out[p.relative_to(root).as_posix()] = p.stat().st_size
         return out
 
     def size(self, location: str) -> int:
-        try:
+        with reading(location):
             st = os.stat(location)
-        except (FileNotFoundError, NotADirectoryError) as e:
-            raise CheckpointNotFoundError(f"'{location}' does not exist") from e
         if not os.path.isfile(location):
             raise CheckpointNotFoundError(f"'{location}' is not a file")
         return st.st_size
 
     def read_bytes(self, location: str, start: int = 0, end: int | None = None) -> bytes:
-        try:
-            with open(location, "rb") as f:
-                f.seek(start)
-                return f.read() if end is None else f.read(end - start)
-        except (FileNotFoundError, NotADirectoryError) as e:
-            raise CheckpointNotFoundError(f"'{location}' does not exist") from e
-        except IsADirectoryError as e:
-            raise CheckpointNotFoundError(f"'{location}' is a folder, not a file") from e
+        with reading(location), open(location, "rb") as f:
+            if end is not None:  # never allocate more than the file holds
+                end = min(end, os.fstat(f.fileno()).st_size)
+            f.seek(start)
+            return f.read() if end is None else f.read(max(0, end - start))
 
     def open_read(self, location: str) -> BinaryIO:
-        try:
+        with reading(location):
             return open(location, "rb")
-        except (FileNotFoundError, NotADirectoryError) as e:
-            raise CheckpointNotFoundError(f"'{location}' does not exist") from e
 
     def local_copy(self, location: str, cache_dir: Path) -> Path:
         if not os.path.isfile(location):
@@ -108,32 +193,34 @@ class LocalStorage(Storage):
     # -- writing -----------------------------------------------------------------------------
     def write_bytes(self, location: str, data: bytes, *, overwrite: bool = True) -> None:
         target = Path(location)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.tmp")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            self._publish(tmp, target, overwrite=overwrite)
-        finally:
-            tmp.unlink(missing_ok=True)
-        fsync_dir(target.parent)
+        with writing(target):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.tmp")
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                self._publish(tmp, target, overwrite=overwrite)
+            finally:
+                tmp.unlink(missing_ok=True)
+            fsync_dir(target.parent)
 
     def upload(self, local: Path, location: str, *, overwrite: bool = True) -> None:
         target = Path(location)
         if target.resolve() == Path(local).resolve():
             return
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.tmp")
-        try:
-            shutil.copyfile(local, tmp)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            self._publish(tmp, target, overwrite=overwrite)
-        finally:
-            tmp.unlink(missing_ok=True)
-        fsync_dir(target.parent)
+        with writing(target):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.tmp")
+            try:
+                shutil.copyfile(local, tmp)
+                with open(tmp, "rb+") as f:
+                    os.fsync(f.fileno())
+                self._publish(tmp, target, overwrite=overwrite)
+            finally:
+                tmp.unlink(missing_ok=True)
+            fsync_dir(target.parent)
 
     @staticmethod
     def _publish(tmp: Path, target: Path, *, overwrite: bool) -> None:
