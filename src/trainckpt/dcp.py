@@ -3,7 +3,7 @@ reader that loads through our storage interface without ever unpickling arbitrar
 
 Plain DCP unpickles its `.metadata` file and loads non-tensor values with
 `torch.load(weights_only=False)`: a crafted checkpoint could run code. Here `.metadata` is read
-with an allow-list unpickler and values with `weights_only=True`.
+by `safe_unpickle.load_dcp_metadata` (an exact allow-list) and values with `weights_only=True`.
 """
 
 from __future__ import annotations
@@ -23,11 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import (
-    FileSystemBase,
-    _StorageInfo,
-    _StoragePrefix,
-)
+from torch.distributed.checkpoint.filesystem import FileSystemBase
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     LoadPlan,
@@ -39,6 +35,7 @@ from . import dist
 from .errors import CheckpointError, CorruptCheckpointError, StorageError, UnsafeCheckpointError
 from .layout import DCP_METADATA_FILE
 from .records import MAX_DCP_METADATA_BYTES, FileEntry, crc32c_file, read_record_bytes
+from .safe_unpickle import load_dcp_metadata
 from .shard_reader import ParallelReader
 from .shard_writer import RecordingWriter
 from .storage import Storage
@@ -120,66 +117,11 @@ class _StorageFS(FileSystemBase):
         return True
 
 
-_SAFE_MODULE_PREFIXES = ("torch.distributed.checkpoint.", "torch.distributed.tensor.")
-_SAFE_GLOBALS = {
-    ("collections", "OrderedDict"),
-    ("torch", "Size"),
-    ("torch._utils", "_rebuild_tensor_v2"),
-    ("builtins", "getattr"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-    ("torch.serialization", "_get_layout"),
-    ("torch", "device"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-}
-
-
-_ALIASES = {
-    # OLMo-core writes DCP metadata with its own copies of DCP's storage records.
-    ("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
-    ("olmo_core.distributed.checkpoint.filesystem", "_StoragePrefix"): _StoragePrefix,
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata: DCP's own dataclasses, torch dtypes/sizes, plain containers."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALIASES:
-            return _ALIASES[(module, name)]
-        if module.startswith(_SAFE_MODULE_PREFIXES) or (module, name) in _SAFE_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(
-            getattr(torch, name, None), (torch.dtype, torch.layout)
-        ):
-            return super().find_class(module, name)
-        if module == "torch" and name in ("contiguous_format", "channels_last", "preserve_format"):
-            return super().find_class(module, name)
-        raise UnsafeCheckpointError(
-            f"DCP metadata refers to {module}.{name}, which trainckpt does not load "
-            "(it could run code); the checkpoint is not a plain DCP checkpoint"
-        )
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise UnsafeCheckpointError("DCP metadata holds persistent ids; refusing to load it")
-
-
 def read_dcp_metadata(storage: Storage, folder: str) -> Metadata:
     """DCP's `.metadata` of `folder`, read safely."""
     where = storage.join(folder, DCP_METADATA_FILE)
     data = read_record_bytes(storage, where, MAX_DCP_METADATA_BYTES)
-    try:
-        md = _MetadataUnpickler(io.BytesIO(data)).load()
-    except UnsafeCheckpointError as e:
-        raise UnsafeCheckpointError(f"{where}: {e}") from e
-    except Exception as e:
-        raise CorruptCheckpointError(
-            f"{where} cannot be read as DCP metadata ({type(e).__name__}: {e}); "
-            "the checkpoint is damaged: restore it from a copy or use an older checkpoint"
-        ) from e
+    md = load_dcp_metadata(data, where)
     if not isinstance(md, Metadata):
         raise CorruptCheckpointError(f"{where} does not hold DCP metadata")
     return md

@@ -1,14 +1,16 @@
 """Loaders that can only build data: the one module that decides what a checkpoint's pickles may
 name. A security boundary: nothing read from a checkpoint is ever called, imported or executed.
 
-- Trainer state (`torch.save` files) is read by PyTorch's `weights_only` unpickler (its own list
-  of tensor and container globals) plus, scoped to the call, exactly the numpy globals below,
-  which here are stand-ins that accept only plain numeric/bool arrays, scalars and dtypes.
-- DCP's `.metadata` (a plain protocol-2..5 pickle, which PyTorch's unpickler cannot read) is read
-  by `load_dcp_metadata` (in `safe_unpickle_dcp`... see below): an interpreter of the data
-  opcodes only, whose globals are an exact table of fully qualified names.
+- Trainer state (`torch.save` files): `load_torch_plain`, PyTorch's `weights_only` unpickler (its
+  own list of tensor and container globals) plus, scoped to the call, exactly numpy's
+  reconstruction globals, bound to stand-ins that build only plain numeric/bool arrays, scalars
+  and dtypes.
+- DCP's `.metadata` (a plain protocol-2..5 pickle, which PyTorch's unpickler cannot read):
+  `load_dcp_metadata`, an interpreter of the data opcodes only, whose globals are an exact table
+  of fully qualified names (no dotted-name walk, no import, no `getattr`), whose REDUCE calls only
+  the table's checking constructors and whose NEWOBJ/BUILD build only DCP's record dataclasses.
 
-Every refusal is an `UnsafeCheckpointError`; a file whose container is damaged (a torn zip) is a
+Every refusal is an `UnsafeCheckpointError`; a damaged file (a torn zip, a truncated pickle) is a
 `CorruptCheckpointError`. Both name the file.
 """
 
@@ -17,8 +19,10 @@ from __future__ import annotations
 import io
 import math
 import pickle
+import struct
 import threading
 import zipfile
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -43,7 +47,10 @@ _PLAIN_DTYPE_STATE_TAIL = (None, None, None, -1, -1, 0)
 
 def _short(value: Any) -> str:
     """repr of a value from a checkpoint, cut short (an attacker chooses its size)."""
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # an integer too long to print
+        return f"<{type(value).__name__} too large to show>"
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -286,4 +293,453 @@ def _first_line(error: BaseException) -> str:
     return lines[0].split(" Please use ", 1)[0] if lines else ""
 
 
-__all__ = ["load_torch_plain", "numpy_value_problem"]
+# -- DCP's .metadata: an interpreter of data opcodes with an exact table of globals ---------------
+
+
+class _Record:
+    """A DCP record class: built only as pickle builds a dataclass (NEWOBJ with no arguments,
+    then BUILD with a dict of its declared fields), or by its own `__setstate__` (a tuple)."""
+
+    def __init__(self, cls: type, check: Any = None, validate: Any = None) -> None:
+        import dataclasses
+
+        self.cls = cls
+        self.fields = {f.name: f for f in dataclasses.fields(cls)}
+        self.names = frozenset(self.fields)
+        self.required = frozenset(
+            name
+            for name, f in self.fields.items()
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        )
+        self.factories = {
+            name: f.default_factory
+            for name, f in self.fields.items()
+            if f.default_factory is not dataclasses.MISSING
+        }
+        self.check = check  # validates a non-dict state before the class's __setstate__ sees it
+        self.validate = validate  # checks a finished record's values
+
+    def build(self, inst: Any, state: Any) -> None:
+        if self.check is not None:
+            self.check(state)
+            inst.__setstate__(state)
+            return
+        if type(state) is tuple and len(state) == 2 and state[1] is None:
+            state = state[0]  # (dict, no slots)
+        if type(state) is not dict or not self.names.issuperset(state):
+            raise _Refused(f"{self.cls.__qualname__} state {_short(state)} is not its fields")
+        inst.__dict__.update(state)
+
+    def complete(self, inst: Any) -> None:
+        """Refuse a record missing a field without default; make the fields that have a
+        default factory (the others' defaults are class attributes)."""
+        have = inst.__dict__
+        if self.check is not None:
+            if not have:
+                raise _Refused(f"{self.cls.__qualname__} without its state")
+        elif not self.required.issubset(have):
+            missing = sorted(self.required - set(have))
+            raise _Refused(f"{self.cls.__qualname__} without its field(s) {missing}")
+        for name, factory in self.factories.items():
+            if name not in have:
+                have[name] = factory()
+        if self.validate is not None:
+            self.validate(inst)
+
+
+def _size(*args: Any) -> torch.Size:
+    if len(args) != 1 or type(args[0]) not in (tuple, list):
+        raise _Refused(f"torch.Size{_short(args)}")
+    return torch.Size(args[0])  # refuses anything but integers
+
+
+def _ordered_dict(*args: Any) -> Any:
+    if not args:
+        return OrderedDict()
+    pairs = args[0]
+    if (
+        len(args) != 1
+        or type(pairs) not in (list, tuple)
+        or not all(type(p) is tuple and len(p) == 2 for p in pairs)
+    ):
+        raise _Refused(f"collections.OrderedDict{_short(args)}: only () or a list of pairs")
+    return OrderedDict(pairs)
+
+
+def _set_of(kind: type) -> Any:
+    def build(*args: Any) -> Any:
+        if not args:
+            return kind()
+        if len(args) != 1 or type(args[0]) not in (list, tuple):
+            raise _Refused(f"{kind.__name__}{_short(args)}: only () or a list")
+        return kind(args[0])
+
+    return build
+
+
+def _device(*args: Any) -> torch.device:
+    if not (
+        1 <= len(args) <= 2
+        and type(args[0]) is str
+        and len(args[0]) <= 32
+        and (len(args) == 1 or type(args[1]) is int)
+    ):
+        raise _Refused(f"torch.device{_short(args)}")
+    return torch.device(*args)
+
+
+def _path_of(kind: type) -> Any:
+    def build(*args: Any) -> Any:
+        if not all(type(a) is str for a in args):
+            raise _Refused(f"{kind.__name__}{_short(args)}: only str parts")
+        return kind(*args)
+
+    return build
+
+
+def _dcp_tables() -> tuple[dict[tuple[str, str], Any], dict[int, _Record], frozenset[int]]:
+    """(globals by exact (module, name), records by id of class, ids of constructors)."""
+    import pathlib
+
+    from torch.distributed.checkpoint import filesystem as fs
+    from torch.distributed.checkpoint import metadata as md
+
+    layouts = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+    encodings = {e.value: e for e in md._MEM_FORMAT_ENCODING}
+
+    def layout(*args: Any) -> torch.layout:
+        if len(args) != 1 or type(args[0]) is not str or args[0] not in layouts:
+            raise _Refused(f"torch layout {_short(args)}")
+        return layouts[args[0]]
+
+    def mem_format(*args: Any) -> Any:
+        if len(args) != 1 or type(args[0]) is not int or args[0] not in encodings:
+            raise _Refused(f"memory format encoding {_short(args)}")
+        return encodings[args[0]]
+
+    def check_properties(state: Any) -> None:
+        ok = (
+            type(state) is tuple
+            and len(state) == 5
+            and isinstance(state[0], torch.dtype)
+            and isinstance(state[1], torch.layout)
+            and type(state[2]) is bool
+            and state[3] in encodings.values()
+            and type(state[4]) is bool
+        )
+        if not ok:
+            raise _Refused(f"TensorProperties state {_short(state)}")
+
+    records: dict[type, _Record] = {
+        cls: _Record(cls)
+        for cls in (
+            md.Metadata,
+            md.TensorStorageMetadata,
+            md.BytesStorageMetadata,
+            md.ChunkStorageMetadata,
+            md.StorageMeta,
+            md.MetadataIndex,
+            fs._StoragePrefix,
+        )
+    }
+    records[md.TensorProperties] = _Record(md.TensorProperties, check=check_properties)
+    records[fs._StorageInfo] = _Record(fs._StorageInfo, validate=_check_storage_info)
+    constructors: dict[tuple[str, str], Any] = {
+        ("torch", "Size"): _size,
+        ("torch", "device"): _device,
+        ("torch.serialization", "_get_layout"): layout,
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): mem_format,
+        ("collections", "OrderedDict"): _ordered_dict,
+        ("builtins", "set"): _set_of(set),
+        ("builtins", "frozenset"): _set_of(frozenset),
+        ("pathlib", "PosixPath"): _path_of(pathlib.PosixPath),
+        ("pathlib", "PurePosixPath"): _path_of(pathlib.PurePosixPath),
+        ("pathlib", "PureWindowsPath"): _path_of(pathlib.PureWindowsPath),
+    }
+    table: dict[tuple[str, str], Any] = {(cls.__module__, cls.__qualname__): cls for cls in records}
+    # OLMo-core writes DCP metadata with its own copies of DCP's two storage records.
+    table[("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo")] = fs._StorageInfo
+    table[("olmo_core.distributed.checkpoint.filesystem", "_StoragePrefix")] = fs._StoragePrefix
+    table.update(constructors)
+    for name, value in vars(torch).items():
+        if isinstance(value, torch.dtype):
+            table[("torch", name)] = value
+    return (
+        table,
+        {id(cls): rec for cls, rec in records.items()},
+        frozenset(id(f) for f in constructors.values()),
+    )
+
+
+_DCP_TABLES: tuple[dict[tuple[str, str], Any], dict[int, _Record], frozenset[int]] | None = None
+
+# Opcodes that can only call, import or look up things outside the data: refused by name.
+_REFUSED_OPCODES = {
+    b"P"[0]: "PERSID",
+    b"Q"[0]: "BINPERSID",
+    b"\x82"[0]: "EXT1",
+    b"\x83"[0]: "EXT2",
+    b"\x84"[0]: "EXT4",
+    b"i"[0]: "INST",
+    b"o"[0]: "OBJ",
+    b"\x92"[0]: "NEWOBJ_EX",
+    b"\x97"[0]: "NEXT_BUFFER",
+    b"\x98"[0]: "READONLY_BUFFER",
+}
+
+
+class _Malformed(Exception):
+    """The pickle is not a well-formed program (truncated, stack or memo misuse)."""
+
+
+def _unpickle_dcp(data: bytes) -> Any:
+    """Runs the pickle program in `data` admitting only data opcodes and the exact table of
+    globals; REDUCE only on the table's checking constructors, NEWOBJ/BUILD only on DCP's
+    records. Raises `_Refused` for anything else and `_Malformed` for a broken program."""
+    global _DCP_TABLES
+    if _DCP_TABLES is None:
+        _DCP_TABLES = _dcp_tables()
+    table, records, constructors = _DCP_TABLES
+    unpack, decode = struct.unpack_from, bytes.decode
+    stack: list[Any] = []
+    marks: list[int] = []
+    memo: dict[int, Any] = {}
+    built: list[tuple[_Record, Any]] = []
+    pos, end = 0, len(data)
+
+    def take(n: int) -> bytes:
+        nonlocal pos
+        if n < 0 or pos + n > end:
+            raise _Malformed("truncated")
+        pos += n
+        return data[pos - n : pos]
+
+    def pop_mark() -> list[Any]:
+        start = marks.pop()
+        items = stack[start:]
+        del stack[start:]
+        return items
+
+    while True:
+        if pos >= end:
+            raise _Malformed("truncated: no STOP")
+        op = data[pos]
+        pos += 1
+        if op == 0x94:  # MEMOIZE
+            memo[len(memo)] = stack[-1]
+        elif op == 0x6A:  # LONG_BINGET
+            stack.append(memo[unpack("<I", data, pos)[0]])
+            pos += 4
+        elif op == 0x68:  # BINGET
+            stack.append(memo[data[pos]])
+            pos += 1
+        elif op == 0x29:  # EMPTY_TUPLE
+            stack.append(())
+        elif op == 0x81:  # NEWOBJ
+            args = stack.pop()
+            cls = stack[-1]
+            rec = records.get(id(cls))
+            if rec is None or rec.cls is not cls or args != ():
+                raise _Refused(f"NEWOBJ of {_short(cls)}{_short(args)}: only DCP's records")
+            inst: Any = object.__new__(cls)
+            built.append((rec, inst))
+            stack[-1] = inst
+        elif op == 0x28:  # MARK
+            marks.append(len(stack))
+        elif op == 0x62:  # BUILD
+            state = stack.pop()
+            inst = stack[-1]
+            rec = records.get(id(type(inst)))
+            if rec is None:
+                raise _Refused(f"BUILD of {_short(type(inst))}: only DCP's records")
+            _call(rec.build, (inst, state))
+        elif op == 0x7D:  # EMPTY_DICT
+            stack.append({})
+        elif op == 0x75:  # SETITEMS
+            items = pop_mark()
+            target = _target(stack, dict)
+            if len(items) % 2:
+                raise _Malformed("SETITEMS with a key and no value")
+            for i in range(0, len(items), 2):
+                target[items[i]] = items[i + 1]
+        elif op == 0x8C:  # SHORT_BINUNICODE
+            n = data[pos]
+            stack.append(decode(data[pos + 1 : pos + 1 + n], "utf-8", "surrogatepass"))
+            pos += 1 + n
+        elif op == 0x4B:  # BININT1
+            stack.append(data[pos])
+            pos += 1
+        elif op == 0x85:  # TUPLE1
+            stack[-1] = (stack[-1],)
+        elif op == 0x4D:  # BININT2
+            stack.append(unpack("<H", data, pos)[0])
+            pos += 2
+        elif op == 0x86:  # TUPLE2
+            stack[-2:] = [(stack[-2], stack[-1])]
+        elif op == 0x52:  # REDUCE
+            args = stack.pop()
+            func = stack[-1]
+            if id(func) not in constructors or type(args) is not tuple:
+                raise _Refused(f"REDUCE of {_short(func)}: only the table's constructors")
+            stack[-1] = _call(func, args)
+        elif op == 0x71:  # BINPUT
+            memo[data[pos]] = stack[-1]
+            pos += 1
+        elif op == 0x72:  # LONG_BINPUT
+            memo[unpack("<I", data, pos)[0]] = stack[-1]
+            pos += 4
+        elif op == 0x5D:  # EMPTY_LIST
+            stack.append([])
+        elif op == 0x58:  # BINUNICODE
+            stack.append(decode(take(unpack("<I", take(4))[0]), "utf-8", "surrogatepass"))
+        elif op == 0x8D:  # BINUNICODE8
+            stack.append(decode(take(unpack("<Q", take(8))[0]), "utf-8", "surrogatepass"))
+        elif op == 0x4A:  # BININT
+            stack.append(unpack("<i", take(4))[0])
+        elif op == 0x8A:  # LONG1
+            stack.append(int.from_bytes(take(take(1)[0]), "little", signed=True))
+        elif op == 0x8B:  # LONG4
+            stack.append(int.from_bytes(take(unpack("<i", take(4))[0]), "little", signed=True))
+        elif op == 0x47:  # BINFLOAT
+            stack.append(unpack(">d", take(8))[0])
+        elif op == 0x4E:  # NONE
+            stack.append(None)
+        elif op == 0x88:  # NEWTRUE
+            stack.append(True)
+        elif op == 0x89:  # NEWFALSE
+            stack.append(False)
+        elif op == 0x43:  # SHORT_BINBYTES
+            stack.append(take(take(1)[0]))
+        elif op == 0x42:  # BINBYTES
+            stack.append(take(unpack("<I", take(4))[0]))
+        elif op == 0x8E:  # BINBYTES8
+            stack.append(take(unpack("<Q", take(8))[0]))
+        elif op == 0x87:  # TUPLE3
+            stack[-3:] = [(stack[-3], stack[-2], stack[-1])]
+        elif op == 0x74:  # TUPLE
+            stack.append(tuple(pop_mark()))
+        elif op == 0x61:  # APPEND
+            item = stack.pop()
+            _target(stack, list).append(item)
+        elif op == 0x65:  # APPENDS
+            items = pop_mark()
+            _target(stack, list).extend(items)
+        elif op == 0x73:  # SETITEM
+            value, key = stack.pop(), stack.pop()
+            _target(stack, dict)[key] = value
+        elif op == 0x8F:  # EMPTY_SET
+            stack.append(set())
+        elif op == 0x90:  # ADDITEMS
+            items = pop_mark()
+            _target(stack, set).update(items)
+        elif op == 0x91:  # FROZENSET
+            stack.append(frozenset(pop_mark()))
+        elif op == 0x93:  # STACK_GLOBAL
+            name, module = stack.pop(), stack.pop()
+            if type(module) is not str or type(name) is not str:
+                raise _Refused("STACK_GLOBAL of something other than two names")
+            stack.append(_lookup(table, module, name))
+        elif op == 0x63:  # GLOBAL
+            module_line = _line(data, pos)
+            pos += len(module_line) + 1
+            name_line = _line(data, pos)
+            pos += len(name_line) + 1
+            stack.append(_lookup(table, decode(module_line), decode(name_line)))
+        elif op == 0x30:  # POP
+            if marks and marks[-1] == len(stack):
+                marks.pop()
+            else:
+                stack.pop()
+        elif op == 0x31:  # POP_MARK
+            pop_mark()
+        elif op == 0x95:  # FRAME: a buffering hint; the whole pickle is in memory
+            take(8)
+        elif op == 0x80:  # PROTO
+            if take(1)[0] > 5:
+                raise _Malformed("unsupported pickle protocol")
+        elif op == 0x2E:  # STOP
+            if len(stack) != 1 or marks:
+                raise _Malformed("STOP with a stack that is not one value")
+            for rec, inst in built:
+                rec.complete(inst)
+            return stack[0]
+        elif op in _REFUSED_OPCODES:
+            raise _Refused(f"opcode {_REFUSED_OPCODES[op]} (it calls or looks up code)")
+        else:
+            raise _Refused(f"opcode {bytes([op])!r} at byte {pos - 1} is not a data opcode")
+
+
+def _line(data: bytes, pos: int) -> bytes:
+    end = data.find(b"\n", pos, pos + 256)
+    if end < 0:
+        raise _Malformed("GLOBAL without its name")
+    return data[pos:end]
+
+
+def _lookup(table: dict[tuple[str, str], Any], module: str, name: str) -> Any:
+    """The global (module, name) if the table has exactly it: no dotted-name walk, no import."""
+    try:
+        return table[(module, name)]
+    except KeyError:
+        raise _Refused(
+            f"global {_short(f'{module}.{name}')} (not one of DCP's records, "
+            "torch sizes/dtypes/layouts/devices or plain containers)"
+        ) from None
+
+
+def _target(stack: list[Any], kind: type) -> Any:
+    """The container on top of the stack, if it is exactly `kind` (or an OrderedDict for a
+    dict): items are never added to a record or anything else with its own methods."""
+    target = stack[-1]
+    if type(target) is not kind and not (kind is dict and type(target) is OrderedDict):
+        raise _Refused(f"adding items to {_short(type(target))}")
+    return target
+
+
+def _check_storage_info(info: Any) -> None:
+    """Where a DCP item lies: a file inside the checkpoint folder, a non-negative range."""
+    path = info.relative_path
+    if (
+        type(path) is not str
+        or not path
+        or path.startswith(("/", "\\"))
+        or ".." in path.replace("\\", "/").split("/")
+        or type(info.offset) is not int
+        or type(info.length) is not int
+        or info.offset < 0
+        or info.length < 0
+    ):
+        raise _Refused(f"storage record {_short(vars(info))} (outside the checkpoint folder?)")
+
+
+def _call(func: Any, args: tuple[Any, ...]) -> Any:
+    """A checking constructor or record build; any failure inside it is a refusal."""
+    try:
+        return func(*args)
+    except _Refused:
+        raise
+    except Exception as e:
+        raise _Refused(f"{getattr(func, '__qualname__', func)} refused its arguments: {e}") from e
+
+
+def load_dcp_metadata(data: bytes, where: str) -> Any:
+    """The object DCP pickled into its `.metadata` file `where`, read by `_unpickle_dcp` (which
+    builds only DCP's records, torch sizes/dtypes/layouts/devices and plain containers).
+    Raises `UnsafeCheckpointError` for anything else, `CorruptCheckpointError` for a broken
+    pickle. Called on: whichever ranks read the metadata."""
+    try:
+        return _unpickle_dcp(data)
+    except _Refused as e:
+        raise UnsafeCheckpointError(
+            f"{where}: DCP metadata asks for {e}, which trainckpt does not load (it could run "
+            "code); nothing from it was run. The checkpoint was crafted or is not a plain DCP "
+            "checkpoint: load an older checkpoint or restore it from a trusted copy"
+        ) from e
+    except Exception as e:  # a broken program: truncated, stack or memo misuse
+        raise CorruptCheckpointError(
+            f"{where} cannot be read as DCP metadata ({type(e).__name__}: {_short(str(e))}); "
+            "the checkpoint is damaged: restore it from a copy or use an older checkpoint"
+        ) from e
+
+
+__all__ = ["load_dcp_metadata", "load_torch_plain", "numpy_value_problem"]
