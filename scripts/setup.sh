@@ -14,5 +14,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
   .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
   .venv/bin/python -m pip install -q -e ".[test]"
+  # torchtitan for its tests without its training-only dependencies (see pyproject's test extra)
+  .venv/bin/python -m pip install -q --no-deps "torchtitan==0.3.0"
   echo "$want" > "$stamp"
 fi

@@ -107,7 +107,7 @@ class Checkpointer:
         start = time.perf_counter()
         req = self._request(dir, ephemeral)
         trainer_bytes, state = self._prepare(req, train_module, train_state, stage=False)
-        path = save_checkpoint(req, self._write_fn(state, trainer_bytes))
+        path = save_checkpoint(req, self._write_fn(state, trainer_bytes, _dcp_dir(req)))
         self._log_saved(path, start, start)
         return path
 
@@ -158,7 +158,7 @@ class Checkpointer:
             if overlap_staging:
                 staged = self._stage_in_background(req, state, staging)
             staged_at = time.perf_counter()
-            path = save_checkpoint(req, self._write_fn(staged, trainer_bytes))
+            path = save_checkpoint(req, self._write_fn(staged, trainer_bytes, _dcp_dir(req)))
             self._log_saved(path, start, start if overlap_staging else staged_at)
             return path
 
@@ -280,7 +280,7 @@ class Checkpointer:
             upload_turns=run_in_turns(self.process_group) if self.throttle_uploads else None,
         )
 
-    def _write_fn(self, state: dict[str, Any], trainer_bytes: bytes):
+    def _write_fn(self, state: dict[str, Any], trainer_bytes: bytes, dcp_dir: str = ""):
         group = self.process_group
         threads = self.save_thread_count or _default_threads()
 
@@ -303,11 +303,12 @@ class Checkpointer:
             entries.update(
                 save_state(
                     state,
-                    folder / layout.MODEL_DIR,
+                    folder / dcp_dir if dcp_dir else folder,
                     group=group,
                     thread_count=shards,
                     durable=durable,
                     on_file=on_file,
+                    prefix=f"{dcp_dir}/" if dcp_dir else "",
                 )
             )
             return entries
@@ -544,3 +545,8 @@ def _exclude(
     if trainer_state is None:
         return None
     return {k: v for k, v in trainer_state.items() if k not in names}
+
+
+def _dcp_dir(req: SaveRequest) -> str:
+    """Where the DCP files of the checkpoint `req` saves go, by its folder's naming."""
+    return layout.dcp_dirname(req.storage.name(req.dir))

@@ -46,7 +46,8 @@ class _Save:
 
 
 class Checkpointing:
-    """Drives checkpointing of one training run into `save_folder` (local path or URL).
+    """Drives checkpointing of one training run into `save_folder` (local path or URL), in
+    step folders named by `naming` (`step1000`, or torchtitan's `step-1000`).
 
     Build it on every rank after resuming, then call `maybe_save(step, ...)` after every
     finished step (and once with step 0 before training, for the pre-train checkpoint), `save`
@@ -56,11 +57,17 @@ class Checkpointing:
     """
 
     def __init__(
-        self, checkpointer: Checkpointer, policy: CheckpointPolicy, save_folder: str | os.PathLike
+        self,
+        checkpointer: Checkpointer,
+        policy: CheckpointPolicy,
+        save_folder: str | os.PathLike,
+        *,
+        naming: layout.Naming = "trainckpt",
     ) -> None:
         self.checkpointer = checkpointer
         self.policy = policy
         self.save_folder = str(save_folder)
+        self.naming: layout.Naming = naming
         self._group = checkpointer.process_group
         # Rank 0 lists the folder once; every rank gets the same steps, so every rank makes the
         # same decisions (which steps are already saved, how old the last checkpoint is).
@@ -73,6 +80,7 @@ class Checkpointing:
         self._last_saved: int | None = None
         self._started = False
         self._pending: _Save | None = None
+        self._in_flight: Future[str] | None = None
         self._remover = (
             Remover(self.save_folder, policy) if dist.get_rank(self._group) == 0 else None
         )
@@ -177,6 +185,12 @@ class Checkpointing:
             ) from errors[0]
 
     @property
+    def in_flight(self) -> Future[str] | None:
+        """The future of the background save not yet waited for (None when there is none);
+        it resolves to the committed path. Called on: any rank (its own save)."""
+        return self._in_flight if self._pending is not None else None
+
+    @property
     def last_saved_step(self) -> int | None:
         """Step of the newest checkpoint saved or being saved (None before the first)."""
         return self._last_saved
@@ -203,7 +217,7 @@ class Checkpointing:
             return self._saved[step]
         self._collect_pending()
         storage, folder = resolve(self.save_folder)
-        path = storage.join(folder, layout.checkpoint_dirname(step))
+        path = storage.join(folder, layout.checkpoint_dirname(step, self.naming))
         state = train_state() if callable(train_state) else train_state
         ephemeral = kind is SaveKind.EPHEMERAL
         save = _Save(step, path, kind, time.perf_counter())
@@ -222,6 +236,7 @@ class Checkpointing:
                 time.perf_counter() - save.started,
             )
             self._pending = save
+            self._in_flight = future
             future.add_done_callback(lambda f: _on_done(save, f))
             self._after_commit(save, future)
         else:

@@ -52,18 +52,21 @@ def save_state(
     thread_count: int,
     durable: bool = True,
     on_file: Callable[[str], None] | None = None,
+    prefix: str | None = None,
 ) -> dict[str, FileEntry]:
     """Write `state` as a DCP folder and return the files this rank wrote (relative to the
-    folder's parent) with size and CRC32C; with `durable`, every file is fsynced. `on_file`
-    gets each shard's path (relative to the folder's parent) as soon as it is complete.
+    checkpoint folder: `prefix` + name, `prefix` defaulting to the DCP folder's name and a
+    slash) with size and CRC32C; with `durable`, every file is fsynced. `on_file` gets each
+    shard's path (the same relative path) as soon as it is complete.
 
     Called on: all ranks (DCP plans collectively; rank 0 also writes `.metadata`).
     """
+    rel = f"{folder.name}/" if prefix is None else prefix
     writer = RecordingWriter(
         folder,
         thread_count=thread_count,
         durable=durable,
-        on_file=None if on_file is None else lambda name: on_file(f"{folder.name}/{name}"),
+        on_file=None if on_file is None else lambda name: on_file(f"{rel}{name}"),
     )
     with _quiet_single_process(), _plain_errors(f"writing DCP state into '{folder}'", StorageError):
         dcp.save(
@@ -72,7 +75,7 @@ def save_state(
     entries = dict(writer.written)  # shards: CRC32C computed while writing
     if dist.get_rank(group) == 0:
         entries[DCP_METADATA_FILE] = crc32c_file(folder / DCP_METADATA_FILE)
-    return {f"{folder.name}/{n}": e for n, e in entries.items()}
+    return {f"{rel}{n}": e for n, e in entries.items()}
 
 
 # -- loading -----------------------------------------------------------------------------------

@@ -80,7 +80,10 @@ def scan_folder(folder: str) -> tuple[str, list[FolderEntry]]:
             tmp = True
         if step is None:
             continue
-        entries.append(_describe_entry(storage, storage.join(path, name), name, step, tmp))
+        entry = _describe_entry(storage, storage.join(path, name), name, step, tmp)
+        if entry.state == "uncommitted" and layout.is_torchtitan_name(name):
+            continue  # a checkpoint torchtitan wrote: neither ours to list nor to prune
+        entries.append(entry)
     entries.sort(key=lambda e: (e.step, e.name))
     return path, entries
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Final
+from typing import Final, Literal
 
 FORMAT_VERSION: Final = 1
 METADATA_FILE = ".metadata.json"
@@ -16,20 +16,38 @@ DCP_METADATA_FILE = ".metadata"
 """torch.distributed.checkpoint's own metadata file inside a DCP folder."""
 TMP_SUFFIX = "-tmp"
 
-_STEP_RE = re.compile(r"^step(\d+)$")
+_STEP_RE = re.compile(r"^step(-?)(\d+)$")
+
+Naming = Literal["trainckpt", "torchtitan"]
+"""Step folder names: `step1000` (trainckpt, OLMo-core) or `step-1000` (torchtitan). A
+torchtitan-named checkpoint keeps its DCP files at its top level, where torchtitan reads them;
+the commit record, manifest and trainer state sit beside them as in any checkpoint."""
 
 
-def checkpoint_dirname(step: int) -> str:
+def checkpoint_dirname(step: int, naming: Naming = "trainckpt") -> str:
     """Folder name of the checkpoint for `step`."""
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
-    return f"step{step}"
+    return f"step-{step}" if naming == "torchtitan" else f"step{step}"
 
 
 def parse_step(name: str) -> int | None:
-    """The step of a checkpoint folder name, or None for anything else (including `-tmp`)."""
+    """The step of a checkpoint folder name of either naming, or None for anything else
+    (including `-tmp`)."""
     m = _STEP_RE.match(name)
-    return int(m.group(1)) if m else None
+    return int(m.group(2)) if m else None
+
+
+def is_torchtitan_name(name: str) -> bool:
+    """True for a torchtitan-named step folder (`step-1000`). Such a folder without a commit
+    record is a checkpoint torchtitan wrote, never a leftover of ours to delete."""
+    m = _STEP_RE.match(name)
+    return bool(m and m.group(1))
+
+
+def dcp_dirname(name: str) -> str:
+    """Where the DCP files of checkpoint folder `name` go, relative to it ("" = its top)."""
+    return "" if is_torchtitan_name(name) else MODEL_DIR
 
 
 def trainer_state_file(rank: int) -> str:

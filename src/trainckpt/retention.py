@@ -84,6 +84,8 @@ def scan_folder(folder: str | os.PathLike, cache: MetadataCache | None = None) -
             continue
         full = storage.join(path, name)
         if tmp or not is_committed(storage, full):
+            if not tmp and layout.is_torchtitan_name(name):
+                continue  # written by torchtitan: not ours to delete
             leftovers.append(Leftover(step, full))
             continue
         try:

@@ -18,7 +18,13 @@ import google_crc32c
 
 from . import dist
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .layout import DCP_METADATA_FILE, MANIFEST_FILE, METADATA_FILE, MODEL_DIR, is_safe_relpath
+from .layout import (
+    DCP_METADATA_FILE,
+    MANIFEST_FILE,
+    METADATA_FILE,
+    dcp_dirname,
+    is_safe_relpath,
+)
 from .records import CheckpointManifest, FileEntry, read_manifest, read_metadata
 from .storage import Storage
 
@@ -144,7 +150,8 @@ def _read_records(storage: Storage, path: str, report: VerifyReport) -> Checkpoi
         return None
     except FileNotFoundError:
         report.unverifiable = True
-        dcp_md = storage.join(path, MODEL_DIR, DCP_METADATA_FILE)
+        sub = dcp_dirname(storage.name(path))
+        dcp_md = storage.join(path, *([sub] if sub else []), DCP_METADATA_FILE)
         if not storage.exists(dcp_md):
             report.problems.append(f"'{dcp_md}' is missing: the checkpoint has no model state")
         return None

@@ -1,0 +1,284 @@
+"""trainckpt as torchtitan's checkpoint manager.
+
+torchtitan 0.3 builds its checkpointer from `Trainer.Config.checkpoint`, typed as
+`BaseCheckpointManager.Config`; pass `trainckpt.integrations.torchtitan.CheckpointManager.Config`
+there and the trainer calls this manager (`load(step)`, `save(curr_step, last_step)`,
+`maybe_wait_for_staging()`, `close()`) instead of its own. Built on trainckpt's public pieces:
+`ModelAndStates` (torchtitan's DCP layout), `Checkpointing` with a `CheckpointPolicy` (interval,
+retention, async saves, overlapped staging, model-only final save) and `Checkpointer` (commit
+protocol, verification, object stores). Importing this module imports torchtitan.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from torchtitan.components.checkpointer.base import (
+    DATALOADER,
+    LR_SCHEDULER,
+    OPTIMIZER,
+    BaseCheckpointManager,
+)
+
+from .. import dist
+from ..checkpointer import Checkpointer
+from ..checkpointing import Checkpointing
+from ..config import CheckpointerConfig
+from ..errors import CheckpointNotFoundError, ConfigurationError, CorruptCheckpointError
+from ..model_states import ModelAndStates
+from ..policy import CheckpointPolicy
+from ..storage import resolve
+from ..torchtitan_layout import dcp_problems, torchtitan_checkpoints
+
+log = logging.getLogger(__name__)
+
+AsyncModeName = Literal["disabled", "async", "async_with_pinned_mem"]
+
+
+class CheckpointManager(BaseCheckpointManager):
+    """torchtitan's checkpoint manager contract, carried out by trainckpt.
+
+    What differs from torchtitan's own manager (all on purpose, see README "Using trainckpt
+    with torchtitan"): a save counts only once committed (a crash mid-save leaves no
+    `step-N` that resumes); `load(-1)` skips a damaged newest checkpoint; `close()` commits a
+    save in flight; `keep_latest_k` never deletes before the replacement is committed (so 1 is
+    allowed), and never trims step 0 or the first-step checkpoint.
+
+    Called on: all ranks (the trainer builds it on each).
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseCheckpointManager.Config):
+        async_mode: AsyncModeName = "disabled"
+        """`disabled`: blocking saves; `async`: staged in CPU memory, then written and
+        committed in the background; `async_with_pinned_mem`: as `async`, and the copy to CPU
+        memory also overlaps the next forward/backward (until `maybe_wait_for_staging`)."""
+
+        naming: Literal["torchtitan", "trainckpt"] = "torchtitan"
+        """Step folder names: `step-N` with DCP files at the top (torchtitan's own manager
+        reads them), or trainckpt's `stepN/model_and_optim/` (OLMo-core reads them)."""
+
+        verify_on_load: Literal["none", "size", "full"] = "size"
+        """Check a checkpoint's files before loading it: sizes against the manifest (or, for one
+        torchtitan wrote, against DCP's metadata), every CRC32C too (`full`), or nothing."""
+
+        work_dir: str | None = None
+        """Local scratch folder (staging of object-store uploads, download cache); default a
+        folder under the system's temporary directory."""
+
+        def __post_init__(self) -> None:
+            keep: int = getattr(self, "keep_latest_k")  # noqa: B009 (mypy: field of the base)
+            if keep == 1:  # torchtitan refuses 1 because it deletes before the next save lands
+                setattr(self, "keep_latest_k", 2)  # noqa: B010
+            try:
+                BaseCheckpointManager.Config.__post_init__(self)
+            finally:
+                setattr(self, "keep_latest_k", keep)  # noqa: B010
+            if self.async_mode not in ("disabled", "async", "async_with_pinned_mem"):
+                raise ConfigurationError(
+                    f"checkpoint.async_mode is '{self.async_mode}'; choose disabled, async or "
+                    "async_with_pinned_mem"
+                )
+            if self.initial_load_in_hf_quantized:
+                raise ConfigurationError(
+                    "checkpoint.initial_load_in_hf_quantized is not supported by trainckpt's "
+                    "manager; use torchtitan's own manager for quantized HF weights"
+                )
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        dataloader: Any,
+        model_parts: list[Any],
+        optimizers: Any,
+        lr_schedulers: Any,
+        states: dict[str, Any],
+        sd_adapter: Any = None,
+        base_folder: str = "",
+    ) -> None:
+        self.enable = config.enable
+        if not self.enable:
+            return
+        self.config = config
+        self.folder = (
+            config.folder if "://" in config.folder else os.path.join(base_folder, config.folder)
+        )
+        self.sd_adapter = sd_adapter
+        if (config.last_save_in_hf or config.initial_load_in_hf) and sd_adapter is None:
+            raise ConfigurationError(
+                "checkpoint.last_save_in_hf / initial_load_in_hf need the model's state-dict "
+                "adapter (sd_adapter), and none was given"
+            )
+        self.states: dict[str, Any] = dict(states)
+        self.states.update(
+            {OPTIMIZER: optimizers, DATALOADER: dataloader, LR_SCHEDULER: lr_schedulers}
+        )
+        unknown = [k for k in config.exclude_from_loading if k not in self.states]
+        if unknown:
+            raise ConfigurationError(
+                f"checkpoint.exclude_from_loading names {unknown}, which are not among the "
+                f"states {sorted(self.states)}"
+            )
+        self.module = ModelAndStates(model_parts, self.states, optim_keys=(OPTIMIZER,))
+        self._load_module = ModelAndStates(
+            model_parts,
+            {k: v for k, v in self.states.items() if k not in config.exclude_from_loading},
+            optim_keys=(OPTIMIZER,),
+        )
+        ckpt_config: dict[str, Any] = {"verify_on_load": config.verify_on_load}
+        if config.work_dir:
+            ckpt_config["work_dir"] = config.work_dir
+        self.checkpointer: Checkpointer = CheckpointerConfig(**ckpt_config).build()
+        model_only = config.last_save_model_only
+        self.policy = CheckpointPolicy(
+            save_interval=config.interval,
+            fixed_steps=(1,)
+            if config.enable_first_step_checkpoint and not config.load_only
+            else (),
+            max_checkpoints=config.keep_latest_k or None,
+            pre_train_checkpoint=False,
+            save_async=config.async_mode != "disabled",
+            overlap_staging=config.async_mode == "async_with_pinned_mem",
+            final_save="model_only" if model_only else "full",
+            final_dtype=config.export_dtype if model_only else None,
+        )
+        self.driver = Checkpointing(
+            self.checkpointer, self.policy, self.folder, naming=config.naming
+        )
+        log.info("trainckpt checkpointing active: loading from and saving to '%s'", self.folder)
+
+    @property  # type: ignore[override]
+    def save_future(self) -> Future[str] | None:
+        """The background save not yet waited for, if any."""
+        driver = getattr(self, "driver", None)
+        return driver.in_flight if driver is not None else None
+
+    # -- saving ---------------------------------------------------------------------------------
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        if self.config.load_only:
+            return False
+        if last_step:
+            if self.config.last_save_in_hf:
+                from .torchtitan_hf import save_hf  # imported on first use
+
+                save_hf(self, curr_step)
+            else:
+                self.driver.save_final(curr_step, self.module, {})
+            return True
+        return self.driver.maybe_save(curr_step, self.module, {}) is not None
+
+    def _maybe_wait_for_staging(self) -> None:
+        self.driver.wait_for_staging()
+
+    def _wait_for_saving(self) -> None:
+        self.checkpointer.wait()
+
+    def _close(self) -> None:
+        try:
+            self.driver.finish()
+        finally:
+            self.checkpointer.close()
+
+    # -- loading --------------------------------------------------------------------------------
+    def _load(self, step: int = -1) -> bool:
+        found = dist.run_on_rank0(
+            lambda: self._find(step),
+            f"finding the checkpoint to load in '{self.folder}'",
+            self.checkpointer.process_group,
+        )
+        if found is None:
+            return self._initial_load()
+        found_step, path, kind = found
+        log.info("loading step %d from '%s'", found_step, path)
+        if kind == "hf":
+            from .torchtitan_hf import load_hf  # imported on first use
+
+            load_hf(self, path)
+            return True
+        # torchtitan's rule: a step-0 (seed) checkpoint restores the model only
+        module = self.module.weights() if found_step == 0 else self._load_module
+        self.checkpointer.load(path, module, load_trainer_state=False)
+        return True
+
+    def _candidates(self) -> dict[int, tuple[str, str]]:
+        """step -> (path, kind) of every checkpoint in the folder: committed ones (either
+        naming; `dcp` or `hf`) over torchtitan-written ones of the same step."""
+        storage, folder = resolve(self.folder)
+        try:
+            found = {s: (p, "theirs") for s, p in torchtitan_checkpoints(storage, folder)}
+            found.update({s: (p, "ours") for s, p in Checkpointer.find_checkpoints(folder)})
+        except FileNotFoundError:
+            return {}
+        from .torchtitan_hf import is_hf_checkpoint
+
+        return {
+            s: (p, "hf" if is_hf_checkpoint(storage, p) else kind) for s, (p, kind) in found.items()
+        }
+
+    def _find(self, step: int) -> tuple[int, str, str] | None:
+        """Rank 0: the checkpoint to resume from, as (step, path, kind): `step`, or the newest
+        that passes verification (damaged ones are skipped with a warning). None when the
+        folder holds none; raises when `step` is missing or damaged, or all are damaged."""
+        found = self._candidates()
+        if step != -1 and step not in found:
+            raise CheckpointNotFoundError(
+                f"checkpoint.load_step={step}: no checkpoint of that step in '{self.folder}' "
+                f"(steps there: {sorted(found) or 'none'}); pick one of them or -1 for the latest"
+            )
+        order = [step] if step != -1 else sorted(found, reverse=True)
+        skipped = []
+        for s in order:
+            path, kind = found[s]
+            problems = self._problems(path, kind)
+            if not problems:
+                return s, path, "hf" if kind == "hf" else "dcp"
+            if step != -1:
+                raise CorruptCheckpointError(
+                    f"checkpoint.load_step={step}: '{path}' is damaged: {'; '.join(problems)}. "
+                    "Load another step (-1 picks the newest good one)"
+                )
+            log.warning("skipping damaged checkpoint '%s': %s", path, "; ".join(problems))
+            skipped.append(path)
+        if skipped:
+            raise CorruptCheckpointError(
+                f"every checkpoint in '{self.folder}' is damaged ({', '.join(skipped)}); not "
+                "starting from scratch over them: restore one from a copy or move them away"
+            )
+        return None
+
+    def _problems(self, path: str, kind: str) -> list[str]:
+        level = self.config.verify_on_load
+        if level == "none" or kind == "hf":
+            return []
+        if kind == "ours":
+            return Checkpointer.verify(path, deep=level == "full").problems
+        storage, folder = resolve(path)
+        return dcp_problems(storage, folder)
+
+    def _initial_load(self) -> bool:
+        config = self.config
+        path = config.initial_load_path
+        if config.initial_load_in_hf:
+            path = path or getattr(self.sd_adapter, "hf_assets_path", None)
+            if not path:
+                raise ConfigurationError(
+                    "checkpoint.initial_load_in_hf needs checkpoint.initial_load_path or the "
+                    "model's hf_assets_path"
+                )
+            from .torchtitan_hf import load_hf  # imported on first use
+
+            log.info("initial load of Hugging Face weights from '%s'", path)
+            load_hf(self, path)
+            return True
+        if not path:
+            log.info("no checkpoint in '%s' and no initial_load_path: a fresh start", self.folder)
+            return False
+        module = self.module.weights() if config.initial_load_model_only else self._load_module
+        log.info("initial load from '%s'", path)
+        self.checkpointer.load(path, module, load_trainer_state=False)
+        return True

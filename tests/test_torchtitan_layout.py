@@ -1,0 +1,90 @@
+"""torchtitan's folder layout in trainckpt's core, without torchtitan: `step-N` checkpoints with
+DCP files at their top, written through the commit protocol, and `step-N` folders torchtitan
+wrote (plain DCP, no commit record): found, checked against DCP's own metadata, and never
+deleted as leftovers by retention or `prune`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from models import TinyNet
+
+from trainckpt import (
+    Checkpointer,
+    CheckpointerConfig,
+    Checkpointing,
+    CheckpointPolicy,
+    ModelAndStates,
+)
+from trainckpt.inventory import scan_folder
+from trainckpt.prune import plan_prune
+from trainckpt.storage import resolve
+from trainckpt.torchtitan_layout import dcp_problems, torchtitan_checkpoints
+
+
+def _torchtitan_writes(folder: Path, step: int, model: torch.nn.Module) -> Path:
+    """What torchtitan's manager writes: plain `dcp.save` of the flat state into `step-N`."""
+    path = folder / f"step-{step}"
+    dcp.save({**model.state_dict(), "train_state": {"step": step}}, checkpoint_id=str(path))
+    return path
+
+
+def test_torchtitan_naming_through_the_policy_driver(tmp_path):
+    ckpt = CheckpointerConfig(work_dir=tmp_path / "work").build()
+    torch.manual_seed(0)
+    model = TinyNet()
+    driver = Checkpointing(
+        ckpt,
+        CheckpointPolicy(save_interval=2, max_checkpoints=1, pre_train_checkpoint=False),
+        tmp_path / "run",
+        naming="torchtitan",
+    )
+    for step in range(1, 5):
+        driver.maybe_save(step, ModelAndStates(model, {}), {})
+    driver.finish()
+    ckpt.close()
+    path = tmp_path / "run" / "step-4"
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step-4"]
+    assert (path / ".metadata").exists() and not (path / "model_and_optim").exists()
+    assert Checkpointer.verify(path, deep=True).ok
+    assert [s for s, _ in Checkpointer.find_checkpoints(tmp_path / "run")] == [4]
+    # torchtitan's own reader: plain DCP into its flat state
+    target = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    dcp.load(target, checkpoint_id=str(path))
+    assert all(torch.equal(target[k], v) for k, v in model.state_dict().items())
+
+
+def test_checkpoints_torchtitan_wrote_are_found_checked_and_never_deleted(tmp_path):
+    folder = tmp_path / "run"
+    model = TinyNet()
+    old = _torchtitan_writes(folder, 2, model)
+    new = _torchtitan_writes(folder, 4, model)
+    storage, path = resolve(str(folder))
+    assert torchtitan_checkpoints(storage, path) == [(2, str(old)), (4, str(new))]
+    assert dcp_problems(storage, str(new)) == []
+    shard = next(new.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:10])
+    assert any(
+        "DCP's metadata records data up to byte" in p for p in dcp_problems(storage, str(new))
+    )
+    shard.unlink()
+    assert any("is missing" in p for p in dcp_problems(storage, str(new)))
+
+    # a trainckpt checkpoint beside them, then retention that deletes leftovers
+    ckpt = CheckpointerConfig(work_dir=tmp_path / "work").build()
+    driver = Checkpointing(
+        ckpt,
+        CheckpointPolicy(save_interval=6, remove="all_non_permanent", pre_train_checkpoint=False),
+        folder,
+        naming="torchtitan",
+    )
+    driver.maybe_save(6, ModelAndStates(model, {}), {})
+    driver.finish()
+    ckpt.close()
+    assert old.exists() and new.exists()
+    _, entries = scan_folder(str(folder))
+    assert [e.name for e in entries] == ["step-6"]
+    plan = plan_prune(str(folder), entries, keep_last=1, keep_ephemeral=False)
+    assert not plan.to_delete
