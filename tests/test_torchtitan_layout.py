@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from models import TinyNet
@@ -14,6 +15,7 @@ from models import TinyNet
 from trainckpt import (
     Checkpointer,
     CheckpointerConfig,
+    CheckpointError,
     Checkpointing,
     CheckpointPolicy,
     ModelAndStates,
@@ -88,3 +90,32 @@ def test_checkpoints_torchtitan_wrote_are_found_checked_and_never_deleted(tmp_pa
     assert [e.name for e in entries] == ["step-6"]
     plan = plan_prune(str(folder), entries, keep_last=1, keep_ephemeral=False)
     assert not plan.to_delete
+
+
+def test_save_files_commits_arbitrary_files_or_nothing(tmp_path):
+    ckpt = CheckpointerConfig(work_dir=tmp_path / "work").build()
+
+    def two_files(folder: Path) -> list[str]:
+        (folder / "a.bin").write_bytes(b"a" * 100)
+        (folder / "sub").mkdir()
+        (folder / "sub" / "b.json").write_text("{}")
+        return ["a.bin", "sub/b.json"]
+
+    path = ckpt.save_files(tmp_path / "run" / "step-3", two_files)
+    report = Checkpointer.verify(path, deep=True)
+    assert report.ok and not report.unverifiable
+    assert set(report.manifest.files) >= {"a.bin", "sub/b.json"}
+
+    def escaping(folder: Path) -> list[str]:
+        return ["../outside"]
+
+    def failing(folder: Path) -> list[str]:
+        (folder / "half").write_bytes(b"x")
+        raise OSError("disk full")
+
+    for bad in (escaping, failing):
+        with pytest.raises(CheckpointError):
+            ckpt.save_files(tmp_path / "run" / "step-4", bad)
+    ckpt.close()
+    assert [s for s, _ in Checkpointer.find_checkpoints(tmp_path / "run")] == [3]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step-3"]

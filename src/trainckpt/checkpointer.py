@@ -7,7 +7,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,9 +21,10 @@ from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
     ConfigurationError,
+    StorageError,
 )
 from .faults import fault_point
-from .records import CheckpointMetadata, FileEntry, crc32c_bytes
+from .records import CheckpointMetadata, FileEntry, crc32c_bytes, crc32c_file
 from .staging import Stager
 from .storage import LocalStorage, Storage, StorageOptions, resolve
 from .train_module import TrainModule
@@ -174,6 +175,56 @@ class Checkpointer:
         the lock: the exit hooks call it, possibly while the main thread holds the lock)."""
         pending = self._pending
         return None if pending is None else (self._pending_dir, pending)
+
+    def save_files(
+        self,
+        dir: str | os.PathLike,
+        write_files: Callable[[Path], list[str]],
+        *,
+        ephemeral: bool = False,
+    ) -> str:
+        """Save and commit a checkpoint made of the files `write_files(folder)` writes into a
+        local folder and returns (paths relative to it), e.g. safetensors shards and their
+        index: the same commit protocol, manifest and checks as `save`, so no finder reports
+        it before it is complete. Blocks until committed; returns its path.
+
+        Called on: all ranks; `write_files` runs on rank 0 only (the others write nothing).
+        """
+        self._finish_pending()
+        start = time.perf_counter()
+        req = self._request(dir, ephemeral)
+        group = self.process_group
+
+        def write(folder: Path, durable: bool, on_file: OnFile | None) -> dict[str, FileEntry]:
+            error: Exception | None = None
+            entries: dict[str, FileEntry] = {}
+            try:
+                if dist.get_rank(group) == 0:
+                    for rel in write_files(folder):
+                        if not layout.is_safe_relpath(rel):
+                            raise ConfigurationError(
+                                f"save_files: '{rel}' is not a path inside '{req.dir}'"
+                            )
+                        if durable:
+                            with open(folder / rel, "rb") as f:
+                                os.fsync(f.fileno())
+                        entries[rel] = crc32c_file(folder / rel)
+                        if on_file is not None:
+                            on_file(rel)
+            except CheckpointError as e:
+                error = e
+            except Exception as e:
+                error = StorageError(
+                    f"writing the files of checkpoint '{req.dir}' failed ({type(e).__name__}: "
+                    f"{e}); nothing was committed: fix the cause and save again"
+                )
+                error.__cause__ = e
+            dist.agree(error, f"writing the files of '{req.dir}'", group)
+            return entries
+
+        path = save_checkpoint(req, write)
+        self._log_saved(path, start, start)
+        return path
 
     def wait_for_staging(self) -> None:
         """Block until the state of the last `save_async(..., overlap_staging=True)` is copied

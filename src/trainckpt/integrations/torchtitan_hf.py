@@ -1,18 +1,43 @@
 """Hugging Face safetensors for the torchtitan manager: the final save (`last_save_in_hf`) and
-the initial load (`initial_load_in_hf`), through torchtitan's state-dict adapter for the key
-names."""
+the initial load (`initial_load_in_hf`), with torchtitan's state-dict adapter for the key names.
+
+Saving: every rank gathers the full weights (DTensors are all-gathered), cast to
+`export_dtype`; rank 0 converts them with the adapter's `to_hf` and writes sharded safetensors
+(`model-0000i-of-0000N.safetensors`, split as the adapter's `fqn_to_index_mapping` says when
+the model's Hugging Face index is known, else by size) and `model.safetensors.index.json`, all
+through `Checkpointer.save_files`, so the folder commits like any checkpoint. The files are
+written with `safetensors` itself rather than DCP's `HuggingFaceStorageWriter`: with full
+tensors in one process there is nothing for DCP to plan, and its writer needs a second pass
+to consolidate its per-rank files.
+
+Loading: DCP's `HuggingFaceStorageReader` reads the safetensors (JSON headers and raw bytes:
+nothing in the files is ever run) into the adapter's `to_hf` view of the model's state, in
+parallel and sharded as the model is, then `from_hf` maps the names back.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import json
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from .. import layout
-from ..errors import ConfigurationError
-from ..storage import Storage
+import torch
+
+from .. import dist, layout
+from ..errors import ConfigurationError, CorruptCheckpointError
+from ..storage import Storage, resolve
 from ..torchtitan_layout import HF_INDEX_FILE
 
 if TYPE_CHECKING:
     from .torchtitan import CheckpointManager
+
+log = logging.getLogger(__name__)
+
+MAX_SHARD_BYTES = 5 * 1024**3
+"""Shard size when the model's own Hugging Face index is unknown (Hugging Face's default)."""
+_MAX_INDEX_BYTES = 64 * 1024 * 1024
 
 
 def is_hf_checkpoint(storage: Storage, path: str) -> bool:
@@ -24,19 +49,138 @@ def is_hf_checkpoint(storage: Storage, path: str) -> bool:
     return storage.exists(storage.join(path, HF_INDEX_FILE))
 
 
-def _unsupported(path: str) -> ConfigurationError:
-    return ConfigurationError(
-        f"'{path}': Hugging Face safetensors are not supported by trainckpt's torchtitan "
-        "manager yet; set last_save_in_hf and initial_load_in_hf to false, or use torchtitan's "
-        "own manager for them"
-    )
+def _full(value: Any, dtype: torch.dtype) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    if hasattr(value, "full_tensor"):  # a DTensor: every rank takes part in the gather
+        value = value.full_tensor()
+    value = value.detach().cpu()
+    return value.to(dtype) if value.is_floating_point() else value
+
+
+def _shards(hf_state: dict[str, torch.Tensor], mapping: dict[str, int] | None) -> list[list[str]]:
+    """Keys per shard file: as the model's index maps them, else filled up to a size."""
+    if mapping:
+        count = max(mapping.values(), default=1)
+        groups: list[list[str]] = [[] for _ in range(count)]
+        for key in hf_state:
+            groups[min(max(mapping.get(key, count), 1), count) - 1].append(key)
+        return [g for g in groups if g]
+    groups, size = [[]], 0
+    for key, t in hf_state.items():
+        nbytes = t.numel() * t.element_size()
+        if groups[-1] and size + nbytes > MAX_SHARD_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(key)
+        size += nbytes
+    return groups
+
+
+def write_hf_files(
+    hf_state: dict[str, torch.Tensor], mapping: dict[str, int] | None, folder: Path
+) -> list[str]:
+    """Write `hf_state` as sharded safetensors plus `model.safetensors.index.json` into
+    `folder`; return the file names (index last)."""
+    from safetensors.torch import save_file
+
+    groups = _shards(hf_state, mapping)
+    names, weight_map = [], {}
+    for i, keys in enumerate(groups, start=1):
+        name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        save_file(
+            {k: hf_state[k].contiguous() for k in keys},
+            str(folder / name),
+            metadata={"format": "pt"},
+        )
+        names.append(name)
+        weight_map.update({k: name for k in keys})
+    total = sum(t.numel() * t.element_size() for t in hf_state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / HF_INDEX_FILE).write_text(json.dumps(index, indent=2))
+    return [*names, HF_INDEX_FILE]
 
 
 def save_hf(manager: CheckpointManager, step: int) -> str:
-    """Final save in Hugging Face safetensors (not yet supported)."""
-    raise _unsupported(manager.folder)
+    """The final save in Hugging Face safetensors into the step folder; returns its path.
+    Called on: all ranks."""
+    start = time.perf_counter()
+    dtype = getattr(torch, manager.config.export_dtype)
+    full = {k: _full(v, dtype) for k, v in manager.module.model_state().items()}
+    adapter = manager.sd_adapter
+    hf_state = adapter.to_hf(full)
+    mapping = adapter.fqn_to_index_mapping  # read after to_hf: it drops tied weights from it
+    storage, folder = resolve(manager.folder)
+    path = storage.join(folder, layout.checkpoint_dirname(step, manager.config.naming))
+    manager.checkpointer.wait()  # one save at a time
+    committed = manager.checkpointer.save_files(
+        path, lambda local: write_hf_files(hf_state, mapping, local)
+    )
+    log.info(
+        "saved Hugging Face safetensors of step %d to '%s' in %.2fs",
+        step,
+        committed,
+        time.perf_counter() - start,
+    )
+    return committed
+
+
+def _check_index(folder: Path) -> None:
+    """Refuse an index that is too big, not JSON, or names files outside the folder or
+    missing, before DCP's reader opens anything."""
+    index = folder / HF_INDEX_FILE
+    if not index.exists():
+        if not any(folder.glob("*.safetensors")):
+            raise CorruptCheckpointError(
+                f"'{folder}' holds no '{HF_INDEX_FILE}' and no .safetensors file; point "
+                "initial_load_path at a Hugging Face model folder"
+            )
+        return
+    if index.stat().st_size > _MAX_INDEX_BYTES:
+        raise CorruptCheckpointError(f"'{index}' is larger than {_MAX_INDEX_BYTES} bytes")
+    try:
+        files = set(json.loads(index.read_text())["weight_map"].values())
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CorruptCheckpointError(f"'{index}' is not a safetensors index: {e}") from e
+    for name in sorted(files):
+        if not isinstance(name, str) or not layout.is_safe_relpath(name):
+            raise CorruptCheckpointError(f"'{index}' names '{name}', outside the folder")
+        if not (folder / name).is_file():
+            raise CorruptCheckpointError(f"'{index}' names '{name}', which is missing")
 
 
 def load_hf(manager: CheckpointManager, path: str) -> None:
-    """Load of Hugging Face safetensors into the model (not yet supported)."""
-    raise _unsupported(path)
+    """Load Hugging Face safetensors from the local folder `path` into the model (model only).
+    Called on: all ranks."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    storage, local = resolve(path)
+    if not storage.atomic_rename:  # not a local path
+        raise ConfigurationError(
+            f"'{path}': Hugging Face safetensors load from a local folder only; download it "
+            "first (torchtitan's own manager has the same limit)"
+        )
+    folder = Path(local)
+    dist.run_on_rank0(
+        lambda: _check_index(folder), f"checking '{folder}'", manager.checkpointer.process_group
+    )
+    start = time.perf_counter()
+    adapter = manager.sd_adapter
+    hf_state = adapter.to_hf(manager.module.model_state())
+    try:
+        dcp.load(
+            hf_state,
+            storage_reader=HuggingFaceStorageReader(str(folder), thread_count=4),
+            process_group=manager.checkpointer.process_group,
+            no_dist=not dist.is_distributed(),
+        )
+    except CheckpointException as e:
+        first = next(iter(e.failures.values()), (e, None))[0]
+        raise CorruptCheckpointError(
+            f"loading Hugging Face safetensors from '{folder}' failed ({type(first).__name__}: "
+            f"{first}); check that it holds this model's weights"
+        ) from e
+    manager.module.weights().load_state_dict(adapter.from_hf(hf_state))
+    log.info("loaded Hugging Face safetensors '%s' in %.2fs", folder, time.perf_counter() - start)
