@@ -74,12 +74,13 @@ def model_config() -> Llama3Model.Config:
 class TokenStream(IterableDataset, Stateful):
     """A deterministic synthetic token stream: sample i is a pure function of i."""
 
-    def __init__(self) -> None:
+    def __init__(self, dp_rank: int = 0) -> None:
         self.pos = 0
+        self.dp_rank = dp_rank
 
     def __iter__(self):
         while True:
-            gen = torch.Generator().manual_seed(self.pos)
+            gen = torch.Generator().manual_seed(self.pos + 1_000_000 * self.dp_rank)
             self.pos += 1
             tokens = torch.randint(0, VOCAB, (SEQ + 1,), generator=gen)
             yield {"input": tokens[:-1]}, tokens[1:]
@@ -118,8 +119,15 @@ class Run:
     losses: list[float] = field(default_factory=list)
 
 
-def build(total: int = 8, seed: int = 0, hf_assets_path: str | None = None) -> Run:
-    """Fresh components, as torchtitan's Trainer builds them (same seed: same weights)."""
+def build(
+    total: int = 8,
+    seed: int = 0,
+    hf_assets_path: str | None = None,
+    dp_rank: int = 0,
+    dp_world_size: int = 1,
+) -> Run:
+    """Fresh components, as torchtitan's Trainer builds them (same seed: same weights); the
+    data loader reads data-parallel rank `dp_rank`'s own samples."""
     torch.manual_seed(seed)
     config = model_config()
     with torch.device("meta"):
@@ -141,7 +149,7 @@ def build(total: int = 8, seed: int = 0, hf_assets_path: str | None = None) -> R
         optimizers=optimizers, training_steps=total
     )
     dataloader = ParallelAwareDataloader(
-        TokenStream(), dp_rank=0, dp_world_size=1, batch_size=BATCH
+        TokenStream(dp_rank), dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=BATCH
     )
     return Run(
         model,
@@ -192,6 +200,7 @@ def train(
         logits = run.model(inputs["input"])
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
         loss.backward()
+        _average_gradients(run.model)
         run.train_state.ntokens_seen += labels.numel()
         ckpt.maybe_wait_for_staging()
         run.optimizers.step()
@@ -201,6 +210,19 @@ def train(
             before_save(run.train_state.step)
         ckpt.save(run.train_state.step, last_step=run.train_state.step == run.total)
     return run
+
+
+def _average_gradients(model: torch.nn.Module) -> None:
+    """Data parallelism as DDP does it: every rank steps with the mean gradient, so the
+    replicated weights stay identical on every rank."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
 
 
 def snapshot(run: Run) -> dict[str, Any]:

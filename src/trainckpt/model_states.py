@@ -126,7 +126,7 @@ class ModelAndStates:
                     )
                 seen[key] = i
         for name in self.states:
-            if _in_checkpoint(name, seen) or any(k.split(".", 1)[0] == name for k in seen):
+            if _in_checkpoint(name, seen):
                 raise ConfigurationError(
                     f"state name '{name}' collides with the model's keys (model keys are saved "
                     "at the top level): rename the state"
