@@ -93,13 +93,20 @@ def torch_save_bytes(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-def torch_file_with_pickle(data_pkl: bytes) -> bytes:
-    """A `torch.save` zip (valid CRCs, every other record genuine) whose `data.pkl` is
-    `data_pkl`: what an attacker writes to get any pickle program past the container check."""
-    source = zipfile.ZipFile(io.BytesIO(torch_save_bytes({"step": 1})))
+def torch_file_with_pickle(data_pkl: bytes, base: bytes | None = None) -> bytes:
+    """A `torch.save` zip (valid CRCs, every other record genuine, from `base` or a small
+    state) whose `data.pkl` is `data_pkl`: how an attacker gets any pickle program past the
+    container check."""
+    source = zipfile.ZipFile(io.BytesIO(base or torch_save_bytes({"step": 1})))
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
         for info in source.infolist():
             data = data_pkl if info.filename.endswith("/data.pkl") else source.read(info)
             z.writestr(info.filename, data)
     return out.getvalue()
+
+
+def data_pkl_of(torch_file: bytes) -> bytes:
+    """The pickle program inside a `torch.save` zip."""
+    z = zipfile.ZipFile(io.BytesIO(torch_file))
+    return z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from trainckpt import ModelAndOptim
@@ -58,3 +60,21 @@ def assert_same_state(a: ModelAndOptim, b: ModelAndOptim, *, optim: bool = True)
     assert [{k: v for k, v in g.items() if k != "params"} for g in oa["param_groups"]] == [
         {k: v for k, v in g.items() if k != "params"} for g in ob["param_groups"]
     ]
+
+
+class WithExtra:
+    """A TrainModule whose state holds one non-tensor value, `extra`, next to the model."""
+
+    def __init__(self, extra: Any) -> None:
+        self.inner = make_module()
+        self.extra = extra
+        self.loaded: dict[str, Any] | None = None
+
+    def state_dict_to_save(self) -> dict[str, Any]:
+        return {"model": self.inner.state_dict_to_save()["model"], "extra": self.extra}
+
+    def state_dict_to_load(self, metadata: Any, optim: bool | None = None) -> dict[str, Any]:
+        return {"model": fresh_module().state_dict_to_save()["model"], "extra": None}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loaded = state_dict

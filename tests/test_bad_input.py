@@ -5,14 +5,13 @@ from __future__ import annotations
 import io
 import pickle
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from integrity import RunsCommand, rerecord, shards
-from models import assert_same_state, fresh_module, make_module
+from models import WithExtra, assert_same_state, fresh_module, make_module
 from multiproc import run_ranks
 
 from trainckpt import (
@@ -207,31 +206,13 @@ def test_dcp_metadata_pickle_that_would_run_a_command(ckpt, tmp_path, saved):
     assert not marker.exists()
 
 
-class _WithExtra:
-    """A TrainModule whose state holds one non-tensor value, `extra`, next to the model."""
-
-    def __init__(self, extra: Any) -> None:
-        self.inner = make_module()
-        self.extra = extra
-        self.loaded: dict[str, Any] | None = None
-
-    def state_dict_to_save(self) -> dict[str, Any]:
-        return {"model": self.inner.state_dict_to_save()["model"], "extra": self.extra}
-
-    def state_dict_to_load(self, metadata: Any, optim: bool | None = None) -> dict[str, Any]:
-        return {"model": fresh_module().state_dict_to_save()["model"], "extra": None}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.loaded = state_dict
-
-
 def test_dcp_value_pickle_that_would_run_a_command(ckpt, tmp_path):
     marker = tmp_path / "pwned"
     bare = tmp_path / "bare"
-    evil = _WithExtra(RunsCommand(marker))
+    evil = WithExtra(RunsCommand(marker))
     dcp.save(evil.state_dict_to_save(), checkpoint_id=str(bare), no_dist=True)  # runs nothing
     assert not marker.exists()
-    target = _WithExtra(None)
+    target = WithExtra(None)
     with pytest.raises(UnsafeCheckpointError, match="'extra'") as info:
         ckpt.load(bare, target)
     assert isinstance(info.value, Exception)  # not DCP's BaseException: trainers can catch it
@@ -240,9 +221,9 @@ def test_dcp_value_pickle_that_would_run_a_command(ckpt, tmp_path):
 
 def test_plain_dcp_values_still_load(ckpt, tmp_path):
     bare = tmp_path / "bare"
-    state = _WithExtra("epoch 3, shard 7").state_dict_to_save()
+    state = WithExtra("epoch 3, shard 7").state_dict_to_save()
     dcp.save(state, checkpoint_id=str(bare), no_dist=True)
-    target = _WithExtra(None)
+    target = WithExtra(None)
     ckpt.load(bare, target)
     assert target.loaded is not None and target.loaded["extra"] == "epoch 3, shard 7"
 

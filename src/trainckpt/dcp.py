@@ -3,14 +3,13 @@ reader that loads through our storage interface without ever unpickling arbitrar
 
 Plain DCP unpickles its `.metadata` file and loads non-tensor values with
 `torch.load(weights_only=False)`: a crafted checkpoint could run code. Here `.metadata` is read
-by `safe_unpickle.load_dcp_metadata` (an exact allow-list) and values with `weights_only=True`.
+by `safe_unpickle.load_dcp_metadata` (an exact allow-list) and values by `load_torch_plain`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
-import pickle
 import warnings
 from collections.abc import Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
@@ -32,10 +31,10 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from . import dist
-from .errors import CheckpointError, CorruptCheckpointError, StorageError, UnsafeCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, StorageError
 from .layout import DCP_METADATA_FILE
 from .records import MAX_DCP_METADATA_BYTES, FileEntry, crc32c_file, read_record_bytes
-from .safe_unpickle import load_dcp_metadata
+from .safe_unpickle import load_dcp_metadata, load_torch_plain
 from .shard_reader import ParallelReader
 from .shard_writer import RecordingWriter
 from .storage import Storage
@@ -178,16 +177,16 @@ class _SafeReader(ParallelReader):
 
 
 class _SafeLoadPlanner(DefaultLoadPlanner):
-    """Loads non-tensor values with `weights_only=True`."""
+    """Loads non-tensor values with `safe_unpickle.load_torch_plain` (PyTorch's `weights_only`
+    loader plus plain numpy values); `folder` names the checkpoint in its errors."""
+
+    def __init__(self, folder: str = "") -> None:
+        super().__init__()
+        self.folder = folder
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        try:
-            obj = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as e:
-            raise UnsafeCheckpointError(
-                f"value '{read_item.dest_index.fqn}' in the DCP checkpoint is not plain data "
-                f"and is not loaded ({e})"
-            ) from e
+        where = f"DCP value '{read_item.dest_index.fqn}' in '{self.folder}'"
+        obj = load_torch_plain(value.read(), where)
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
@@ -214,7 +213,7 @@ def load_state(
         dcp.load(
             state,
             storage_reader=_SafeReader(storage, folder, metadata, download_to, thread_count),
-            planner=_SafeLoadPlanner(),
+            planner=_SafeLoadPlanner(folder),
             process_group=group,
             no_dist=not dist.is_distributed(),
         )
@@ -223,8 +222,8 @@ def load_state(
 class _ProgressLoadPlanner(_SafeLoadPlanner):
     """`_SafeLoadPlanner` that reports the bytes of every tensor piece it has loaded."""
 
-    def __init__(self, progress: Callable[[int], None]) -> None:
-        super().__init__()
+    def __init__(self, progress: Callable[[int], None], folder: str) -> None:
+        super().__init__(folder)
         self._progress = progress
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
@@ -257,7 +256,9 @@ def load_full_state(
             state[key] = None  # a non-tensor value; the planner sets it
     if not state:
         return state
-    planner = _SafeLoadPlanner() if progress is None else _ProgressLoadPlanner(progress)
+    planner = (
+        _SafeLoadPlanner(folder) if progress is None else _ProgressLoadPlanner(progress, folder)
+    )
     what = f"loading DCP state from '{folder}'"
     with _quiet_single_process(), _plain_errors(what, CheckpointError):
         dcp.load(

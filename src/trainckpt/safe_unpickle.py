@@ -258,7 +258,8 @@ def _damaged_container(data: bytes) -> str | None:
 
 
 def load_torch_plain(data: bytes, where: str) -> Any:
-    """What `torch.save` wrote into `data` (the file `where`), loaded with PyTorch's
+    """What `torch.save` wrote into `data` (`where`: the quoted file or value, for messages),
+    loaded with PyTorch's
     `weights_only` unpickler plus the numpy stand-ins: tensors, plain containers and scalars,
     numpy arrays/scalars/dtypes of plain dtypes. Raises `UnsafeCheckpointError` for anything
     else and `CorruptCheckpointError` for a damaged file; nothing from it is ever run."""
@@ -271,11 +272,11 @@ def load_torch_plain(data: bytes, where: str) -> Any:
         damage = _damaged_container(data)
         if damage is not None:
             raise CorruptCheckpointError(
-                f"'{where}' is damaged ({damage}; {reason}); nothing from it was run. Restore "
+                f"{where} is damaged ({damage}; {reason}); nothing from it was run. Restore "
                 "it from a copy or load an older checkpoint"
             ) from e
         raise UnsafeCheckpointError(
-            f"'{where}' holds more than plain data and is not loaded ({reason}); nothing from "
+            f"{where} holds more than plain data and is not loaded ({reason}); nothing from "
             "it was run. It was crafted or written by other code: load an older checkpoint or "
             "restore it from a trusted copy"
         ) from e

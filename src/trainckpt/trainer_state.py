@@ -30,7 +30,7 @@ def serialize_trainer_state(train_state: dict[str, Any], where: str) -> bytes:
     buf = io.BytesIO()
     try:
         torch.save(train_state, buf)
-        load_torch_plain(buf.getvalue(), where)
+        load_torch_plain(buf.getvalue(), f"'{where}'")
     except Exception as e:
         raise _not_plain(where, str(e)) from e
     return buf.getvalue()
@@ -63,7 +63,7 @@ def _non_plain(obj: Any, key: str = "") -> list[str]:
 def deserialize_trainer_state(data: bytes, where: str) -> dict[str, Any]:
     """The trainer state `where` holds; `UnsafeCheckpointError` if it is not plain data,
     `CorruptCheckpointError` if it is damaged. Called on: every rank (its own file)."""
-    state = load_torch_plain(data, where)
+    state = load_torch_plain(data, f"'{where}'")
     if not isinstance(state, dict):
         raise CorruptCheckpointError(
             f"'{where}' holds {type(state).__name__}, not a dict of trainer state; load an "
