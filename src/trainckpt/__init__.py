@@ -24,6 +24,17 @@ from .records import CheckpointManifest, CheckpointMetadata  # noqa: E402
 from .train_module import ModelAndOptim, ModelWeights, TrainModule  # noqa: E402
 from .verify import VerifyReport  # noqa: E402
 
+
+def __getattr__(name: str) -> object:
+    """`OLMoCheckpointerConfig` is imported on first use: it imports OLMo-core (the `olmo`
+    extra), which takes seconds and is not needed otherwise."""
+    if name == "OLMoCheckpointerConfig":
+        from .olmo import OLMoCheckpointerConfig
+
+        return OLMoCheckpointerConfig
+    raise AttributeError(f"module 'trainckpt' has no attribute '{name}'")
+
+
 __all__ = [
     "CheckpointError",
     "CheckpointExistsError",

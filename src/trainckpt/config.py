@@ -10,7 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import dist
-from .checkpointer import Checkpointer, VerifyOnLoad, _default_work_dir
+from .checkpointer import Checkpointer, VerifyOnLoad
 from .errors import ConfigurationError, settings_error
 
 
@@ -19,11 +19,13 @@ class CheckpointerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    work_dir: Path = Field(default_factory=_default_work_dir)
+    work_dir: Path | None = None
     """Node-local scratch folder: staging of uploads to object stores and the cache of files
-    downloaded from URLs. Not the save folder."""
-    save_overwrite: bool = False
-    """Replace a committed checkpoint of the same step instead of refusing to save."""
+    downloaded from URLs. Not the save folder. None: OLMo-core's `TrainerConfig.build` sets its
+    trainer's `work_dir`; otherwise `<tmp>/trainckpt-<uid>`."""
+    save_overwrite: bool | None = None
+    """Replace a committed checkpoint of the same step instead of refusing to save. None:
+    OLMo-core's `TrainerConfig.build` sets its trainer's `save_overwrite`; otherwise False."""
     pre_download: bool = False
     """When loading from a URL, download the files this rank needs before reading them, instead
     of reading byte ranges on demand."""
@@ -85,9 +87,11 @@ class CheckpointerConfig(BaseModel):
     def build(
         self, process_group: dist.ProcessGroup | None = None, **overrides: Any
     ) -> Checkpointer:
-        """A `Checkpointer` with these settings, `overrides` applied (and validated) on top.
+        """A `Checkpointer` with these settings, `overrides` applied (and validated) on top;
+        settings left None take the `Checkpointer`'s defaults.
 
         Called on: all ranks (the checkpointer may create its own process group).
         """
         cfg = self.validated({**self.model_dump(), **overrides}) if overrides else self
-        return Checkpointer(process_group=process_group, **cfg.model_dump())
+        settings = cfg.model_dump(exclude_none=True)
+        return Checkpointer(process_group=process_group, **settings)
