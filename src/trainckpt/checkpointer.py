@@ -17,6 +17,7 @@ import torch
 
 from . import dist, exit_guard, finders, layout
 from .commit import OnFile, SaveRequest, is_committed, save_checkpoint
+from .direct import load_direct, loads_directly, save_direct, saves_directly
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -24,6 +25,7 @@ from .errors import (
     StorageError,
 )
 from .faults import fault_point
+from .futures import CallbacksFirstFuture
 from .records import CheckpointMetadata, FileEntry, crc32c_bytes, crc32c_file
 from .staging import Stager
 from .storage import LocalStorage, Storage, StorageOptions, resolve
@@ -108,7 +110,9 @@ class Checkpointer:
         start = time.perf_counter()
         req = self._request(dir, ephemeral)
         trainer_bytes, state = self._prepare(req, train_module, train_state, stage=False)
-        path = save_checkpoint(req, self._write_fn(state, trainer_bytes, _dcp_dir(req)))
+        path = save_checkpoint(
+            req, self._write_fn(state, trainer_bytes, _dcp_dir(req), train_module)
+        )
         self._log_saved(path, start, start)
         return path
 
@@ -137,8 +141,17 @@ class Checkpointer:
         default action) first waits up to `exit_timeout` seconds for the save to commit, or
         logs an ERROR naming it (`exit_guard`).
 
+        A train module that saves itself (OLMo-core's direct API) cannot be staged and is
+        refused, as OLMo-core refuses it: use `save`.
+
         Called on: all ranks.
         """
+        if saves_directly(train_module):
+            raise ConfigurationError(
+                f"cannot save '{dir}' asynchronously: {type(train_module).__name__} writes its "
+                "state itself (save_state_dict_direct), so it cannot be staged; use save() "
+                "(with OLMo-core's CheckpointerCallback: save_async=False)"
+            )
         self._finish_pending()
         start = time.perf_counter()
         req = self._request(dir, ephemeral)
@@ -159,16 +172,30 @@ class Checkpointer:
             if overlap_staging:
                 staged = self._stage_in_background(req, state, staging)
             staged_at = time.perf_counter()
-            path = save_checkpoint(req, self._write_fn(staged, trainer_bytes, _dcp_dir(req)))
+            path = save_checkpoint(
+                req, self._write_fn(staged, trainer_bytes, _dcp_dir(req), train_module)
+            )
             self._log_saved(path, start, start if overlap_staging else staged_at)
             return path
+
+        # Waiters resume only after the caller's done-callbacks ran (see `futures.py`).
+        committed: CallbacksFirstFuture[str] = CallbacksFirstFuture()
+
+        def run_and_resolve() -> None:
+            try:
+                path = run()
+            except BaseException as e:
+                committed.fail(e)
+            else:
+                committed.resolve(path)
 
         with self._lock:
             self._staging = staging
             self._pending_dir = req.dir
-            self._pending = self._executor.submit(run)
+            self._pending = committed
+            self._executor.submit(run_and_resolve)
             exit_guard.watch(self)
-            return self._pending
+            return committed
 
     def in_flight(self) -> tuple[str, Future[str]] | None:
         """The target and future of the async save not waited for yet, if any (read without
@@ -294,8 +321,9 @@ class Checkpointer:
         self, req: SaveRequest, train_module: TrainModule, train_state: dict, *, stage: bool
     ) -> tuple[bytes, dict[str, Any]]:
         """Serialize the trainer state and collect (and, for async saves, stage) the model
-        state. Every rank learns whether every rank succeeded: a rank that failed here and
-        left would otherwise leave its peers waiting in the first collective of the save.
+        state; a module that saves itself (direct API) is asked for nothing here. Every rank
+        learns whether every rank succeeded: a rank that failed here and left would otherwise
+        leave its peers waiting in the first collective of the save.
 
         Called on: all ranks.
         """
@@ -304,7 +332,8 @@ class Checkpointer:
         state: dict[str, Any] = {}
         try:
             trainer_bytes = serialize_trainer_state(train_state, req.dir)
-            state = train_module.state_dict_to_save()
+            if not saves_directly(train_module):
+                state = train_module.state_dict_to_save()
             if stage:
                 state = self._stager.stage(state)
                 if torch.cuda.is_available():
@@ -331,9 +360,12 @@ class Checkpointer:
             upload_turns=run_in_turns(self.process_group) if self.throttle_uploads else None,
         )
 
-    def _write_fn(self, state: dict[str, Any], trainer_bytes: bytes, dcp_dir: str = ""):
+    def _write_fn(
+        self, state: dict[str, Any], trainer_bytes: bytes, dcp_dir: str, train_module: TrainModule
+    ):
         group = self.process_group
         threads = self.save_thread_count or _default_threads()
+        direct = saves_directly(train_module)
 
         def write(folder: Path, durable: bool, on_file: OnFile | None) -> dict[str, FileEntry]:
             from .dcp import save_state  # imported on first use: DCP takes ~1 s to import
@@ -351,17 +383,31 @@ class Checkpointer:
             entries = {rel: FileEntry(size=len(trainer_bytes), crc32c=crc32c_bytes(trainer_bytes))}
             # Staging for an upload (not durable): one shard file per upload thread.
             shards = threads if durable else max(threads, self._storage_options.thread_count)
-            entries.update(
-                save_state(
-                    state,
-                    folder / dcp_dir if dcp_dir else folder,
-                    group=group,
-                    thread_count=shards,
-                    durable=durable,
-                    on_file=on_file,
-                    prefix=f"{dcp_dir}/" if dcp_dir else "",
+            model_dir = folder / dcp_dir if dcp_dir else folder
+            prefix = f"{dcp_dir}/" if dcp_dir else ""
+            if direct:
+                entries.update(
+                    save_direct(
+                        train_module,
+                        model_dir,
+                        prefix,
+                        group=group,
+                        thread_count=shards,
+                        durable=durable,
+                    )
                 )
-            )
+            else:
+                entries.update(
+                    save_state(
+                        state,
+                        model_dir,
+                        group=group,
+                        thread_count=shards,
+                        durable=durable,
+                        on_file=on_file,
+                        prefix=prefix,
+                    )
+                )
             return entries
 
         return write
@@ -383,6 +429,7 @@ class Checkpointer:
         *,
         load_trainer_state: bool | None = None,
         load_optim_state: bool | None = None,
+        reset_optimizer_states_on_load: bool | None = None,
         exclude: Sequence[str] = (),
     ) -> dict[str, Any] | None:
         """Load a checkpoint (local path or URL) into `train_module`; return this rank's
@@ -393,6 +440,12 @@ class Checkpointer:
         `"optim"`) or of the trainer state (left out of the returned dict); an unknown name is
         an error listing the known ones. A step-0 (seed) checkpoint loads model weights only
         unless `load_optim_state=True`.
+
+        A module with OLMo-core's direct API (`load_state_dict_direct`) loads the DCP folder
+        itself, with the keywords OLMo-core's Checkpointer passes; `reset_optimizer_states_on_load`
+        (keep the weights, drop the optimizer moments) is passed to it, and when None defaults,
+        on a resume (trainer state found), to the module's `reset_optimizer_states_on_resume`.
+        Other modules have no such reset, as in OLMo-core: True is ignored with a warning.
 
         Called on: all ranks.
         """
@@ -411,9 +464,53 @@ class Checkpointer:
         if load_optim_state is None and layout.parse_step(storage.name(path)) == 0:
             log.info("'%s' is a step-0 (seed) checkpoint: loading model weights only", path)
             load_optim_state = False
-        from .dcp import load_state, read_dcp_metadata  # imported on first use: slow to import
+        from .dcp import read_dcp_metadata  # imported on first use: slow to import
 
-        metadata = read_dcp_metadata(storage, folder)
+        metadata = read_dcp_metadata(storage, folder)  # refuses unsafe metadata, direct API too
+        if loads_directly(train_module):
+            if reset_optimizer_states_on_load is None and trainer_state is not None:
+                reset_optimizer_states_on_load = getattr(
+                    train_module, "reset_optimizer_states_on_resume", None
+                )
+            trainer_state = _exclude({}, trainer_state, exclude, path)
+            load_direct(
+                train_module,
+                folder,
+                group=self.process_group,
+                pre_download=self.pre_download and not isinstance(storage, LocalStorage),
+                work_dir=self.work_dir,
+                thread_count=self.load_thread_count or _default_threads(),
+                load_optim_state=load_optim_state,
+                reset_optimizer_states_on_load=reset_optimizer_states_on_load,
+            )
+        else:
+            if reset_optimizer_states_on_load:
+                log.warning(
+                    "reset_optimizer_states_on_load=True has no effect on %s (only train "
+                    "modules with load_state_dict_direct reset optimizer state, as in OLMo-core)",
+                    type(train_module).__name__,
+                )
+            trainer_state = self._load_module_state(
+                storage, path, metadata, train_module, trainer_state, load_optim_state, exclude
+            )
+        log.info("loaded checkpoint '%s' in %.2fs", path, time.perf_counter() - start)
+        return trainer_state
+
+    def _load_module_state(
+        self,
+        storage: Storage,
+        path: str,
+        metadata: Any,
+        train_module: TrainModule,
+        trainer_state: dict[str, Any] | None,
+        load_optim_state: bool | None,
+        exclude: Sequence[str],
+    ) -> dict[str, Any] | None:
+        """Load the checkpoint's DCP folder into the module's state dict and apply it; return
+        the trainer state without the `exclude`d keys. Called on: all ranks."""
+        from .dcp import load_state
+
+        folder = finders.dcp_folder(storage, path)
         state = train_module.state_dict_to_load(metadata, optim=load_optim_state)
         trainer_state = _exclude(state, trainer_state, exclude, path)
         load_state(
@@ -426,7 +523,6 @@ class Checkpointer:
             thread_count=self.load_thread_count or _default_threads(),
         )
         train_module.load_state_dict(state)
-        log.info("loaded checkpoint '%s' in %.2fs", path, time.perf_counter() - start)
         return trainer_state
 
     def _load_trainer_state(self, storage: Storage, path: str, *, required: bool) -> dict | None:

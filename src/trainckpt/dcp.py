@@ -67,7 +67,7 @@ def save_state(
         durable=durable,
         on_file=None if on_file is None else lambda name: on_file(f"{rel}{name}"),
     )
-    with _quiet_single_process(), _plain_errors(f"writing DCP state into '{folder}'", StorageError):
+    with _quiet_single_process(), plain_errors(f"writing DCP state into '{folder}'", StorageError):
         dcp.save(
             state, storage_writer=writer, process_group=group, no_dist=not dist.is_distributed()
         )
@@ -209,7 +209,7 @@ def load_state(
     Called on: all ranks (DCP plans collectively).
     """
     what = f"loading DCP state from '{folder}'"
-    with _quiet_single_process(), _plain_errors(what, CheckpointError):
+    with _quiet_single_process(), plain_errors(what, CheckpointError):
         dcp.load(
             state,
             storage_reader=_SafeReader(storage, folder, metadata, download_to, thread_count),
@@ -260,7 +260,7 @@ def load_full_state(
         _SafeLoadPlanner(folder) if progress is None else _ProgressLoadPlanner(progress, folder)
     )
     what = f"loading DCP state from '{folder}'"
-    with _quiet_single_process(), _plain_errors(what, CheckpointError):
+    with _quiet_single_process(), plain_errors(what, CheckpointError):
         dcp.load(
             state,
             storage_reader=_SafeReader(storage, folder, metadata),
@@ -279,7 +279,7 @@ def _quiet_single_process() -> Generator[None, None, None]:
 
 
 @contextmanager
-def _plain_errors(what: str, fallback: type[CheckpointError]) -> Generator[None, None, None]:
+def plain_errors(what: str, fallback: type[CheckpointError]) -> Generator[None, None, None]:
     """DCP reports failures as `CheckpointException`, a `BaseException` that `except Exception`
     (and so a trainer's error handling) misses. Re-raise our own error found inside it, else
     wrap the first failure in `fallback`, naming the ranks and what failed."""
