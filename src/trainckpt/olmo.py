@@ -34,6 +34,7 @@ class OLMoCheckpointerConfig(_OLMoCheckpointerConfig):
     collective_timeout: float = _FIELDS["collective_timeout"].default
     retry_deadline: float = _FIELDS["retry_deadline"].default
     verify_on_load: VerifyOnLoad = _FIELDS["verify_on_load"].default
+    exit_timeout: float = _FIELDS["exit_timeout"].default
 
     def __post_init__(self) -> None:
         self.trainckpt_config()  # invalid settings fail here, as a pydantic model would
