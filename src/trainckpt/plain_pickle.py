@@ -15,18 +15,9 @@ import pickle
 from typing import Any
 
 from .errors import UnsafeCheckpointError
+from .safe_unpickle import NoGlobalsUnpickler as _PlainUnpickler
 
 _MAX_PICKLE_BYTES = 256 * 1024 * 1024
-
-
-class _PlainUnpickler(pickle.Unpickler):
-    """Builds dicts, lists, tuples, sets, str, bytes, numbers, bool and None only."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        raise UnsafeCheckpointError(f"the pickle refers to {module}.{name}")
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise UnsafeCheckpointError("the pickle holds persistent ids")
 
 
 def looks_like_pickle(data: bytes) -> bool:

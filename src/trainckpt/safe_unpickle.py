@@ -5,6 +5,8 @@ name. A security boundary: nothing read from a checkpoint is ever called, import
   own list of tensor and container globals) plus, scoped to the call, exactly numpy's
   reconstruction globals, bound to stand-ins that build only plain numeric/bool arrays, scalars
   and dtypes.
+- Pickled bytes that a trainer keeps inside its state (`plain_pickle.py` vets them before the
+  trainer's own `pickle.loads`): `NoGlobalsUnpickler`, which admits no global at all.
 - DCP's `.metadata` (a plain protocol-2..5 pickle, which PyTorch's unpickler cannot read):
   `load_dcp_metadata`, an interpreter of the data opcodes only, whose globals are an exact table
   of fully qualified names (no dotted-name walk, no import, no `getattr`), whose REDUCE calls only
@@ -292,6 +294,21 @@ def _first_line(error: BaseException) -> str:
     if lines and lines[0].startswith("Weights only load failed"):
         lines = [ln for ln in lines[1:] if not ln.startswith(("Check the documentation", "("))]
     return lines[0].split(" Please use ", 1)[0] if lines else ""
+
+
+# -- pickled bytes inside a state (vetted by plain_pickle.py): no globals at all -----------------
+
+
+class NoGlobalsUnpickler(pickle.Unpickler):
+    """Builds dicts, lists, tuples, sets, str, bytes, numbers, bool and None only: every global
+    (by GLOBAL, STACK_GLOBAL, INST or an extension code) and every persistent id is refused, so
+    no REDUCE, NEWOBJ or BUILD has anything to call."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise UnsafeCheckpointError(f"the pickle refers to {_short(f'{module}.{name}')}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafeCheckpointError("the pickle holds persistent ids")
 
 
 # -- DCP's .metadata: an interpreter of data opcodes with an exact table of globals ---------------
@@ -743,4 +760,4 @@ def load_dcp_metadata(data: bytes, where: str) -> Any:
         ) from e
 
 
-__all__ = ["load_dcp_metadata", "load_torch_plain", "numpy_value_problem"]
+__all__ = ["NoGlobalsUnpickler", "load_dcp_metadata", "load_torch_plain", "numpy_value_problem"]
