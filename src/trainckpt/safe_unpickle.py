@@ -51,7 +51,7 @@ def _short(value: Any) -> str:
     """repr of a value from a checkpoint, cut short (an attacker chooses its size)."""
     try:
         text = repr(value)
-    except ValueError:  # an integer too long to print
+    except (ValueError, RecursionError):  # an integer too long to print, or too deep
         return f"<{type(value).__name__} too large to show>"
     return text if len(text) <= 80 else text[:77] + "..."
 
