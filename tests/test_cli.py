@@ -419,6 +419,65 @@ def test_export_of_damaged_checkpoints_fails_in_one_line(run_folder: Path, tmp_p
     assert not out.exists()
 
 
+# -- usage mistakes, read-only targets, unreachable storage (issue 13) ---------------------------
+
+
+def test_usage_mistakes_exit_2_naming_the_command_to_use(template: tuple[Path, dict]):
+    """The same mistake gets the same exit code from every command, and the message says what
+    to run instead: a folder of checkpoints where one is wanted, the reverse, and a file."""
+    folder, _ = template
+    newest = folder / "step300"
+    for command in ("verify", "inspect"):
+        assert_one_line_error(
+            run_cli(command, str(folder)),
+            "holds checkpoints but is not one",
+            f"`trainckpt {command} {newest}`",
+        )
+    assert_one_line_error(
+        run_cli("latest", str(newest)),
+        "is a checkpoint, not a folder",
+        f"`trainckpt latest {folder}`",
+    )
+    rank_file = newest / "train" / "rank0.pt"
+    for command in ("inspect", "verify"):
+        assert_one_line_error(
+            run_cli(command, str(rank_file)), str(rank_file), "is a file, not a checkpoint folder"
+        )
+    # an uncommitted step folder is a checkpoint with a problem, not a usage mistake
+    leftover = run_cli("verify", str(folder / "step350"))
+    assert leftover.returncode == 1 and "not a committed checkpoint" in leftover.stdout
+
+
+def test_export_to_a_read_only_url_is_refused_before_any_request(
+    template: tuple[Path, dict], http_folder: tuple[Path, str], http_server
+):
+    folder, _ = template
+    _, url = http_folder
+    before = len(http_server.requests)
+    proc = run_cli("export", str(folder / "step300"), f"{url}/model.safetensors")
+    assert_one_line_error(proc, f"{url}/model.safetensors", "read-only")
+    assert http_server.requests[before:] == []  # refused without asking the server anything
+
+
+def test_timeout_bounds_commands_against_a_dead_endpoint():
+    """A closed port on 127.0.0.1 as the GCS endpoint: with `--timeout 1` (before or after the
+    subcommand) `ls` and `latest` give up after the deadline, in one line naming it, where the
+    default of a training job (300 s) would keep retrying past this test's own time limit."""
+    from servers import free_port
+
+    from trainckpt.cli import DEFAULT_TIMEOUT, build_parser
+
+    env = {**os.environ, "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{free_port()}"}
+    folder = "gs://trainckpt-dead/run"
+    for args in (["ls", folder, "--timeout", "1"], ["--timeout", "1", "latest", folder]):
+        proc = subprocess.run(
+            [str(TRAINCKPT), *args], capture_output=True, text=True, timeout=120, env=env
+        )
+        assert_one_line_error(proc, folder, "retry_deadline=1s", "--timeout")
+    assert build_parser().parse_args(["ls", "x"]).timeout == DEFAULT_TIMEOUT < 300
+    assert build_parser().parse_args(["verify", "x", "--timeout", "2.5"]).timeout == 2.5
+
+
 # -- gs:// ---------------------------------------------------------------------------------------
 
 

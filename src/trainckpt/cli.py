@@ -8,13 +8,16 @@
     trainckpt export CKPT OUT      one safetensors/torch file of the model weights
 
 Exit codes: 0 success; 1 `verify` found problems or `latest` found no checkpoint; 2 the input
-cannot be used (missing path, damaged record, bad option). Errors are one line on stderr naming
-the path and what to do; `--debug` adds the traceback.
+cannot be used (missing path, damaged record, bad option, a folder of checkpoints where one
+checkpoint is wanted or the reverse, unreachable storage). Errors are one line on stderr naming
+the path and what to do; `--debug` adds the traceback. `--timeout SECONDS` bounds how long a
+storage request is retried (default 60).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -22,7 +25,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from . import __version__
+from . import __version__, layout
 from .checkpointer import Checkpointer
 from .cli_output import human_age, human_size, progress_bar, table
 from .errors import CheckpointError, CheckpointNotFoundError
@@ -31,12 +34,17 @@ from .inventory import (
     age_seconds,
     describe_checkpoint,
     manifest_bytes,
+    require_one_checkpoint,
     scan_folder,
 )
 from .prune import apply_prune, plan_prune
-from .storage import resolve
+from .storage import default_options, resolve
+from .storage.base import DEFAULT_OPTIONS
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_UNUSABLE = 0, 1, 2
+DEFAULT_TIMEOUT = 60.0
+"""Seconds a storage request is retried by default: a person waits at a terminal (a training
+job's `retry_deadline` defaults to 300)."""
 
 
 # -- subcommands ---------------------------------------------------------------------------------
@@ -79,7 +87,13 @@ def _ls_row(e: FolderEntry) -> list[str]:
 
 def cmd_latest(args: argparse.Namespace) -> int:
     storage, path = resolve(args.folder)
-    storage.list_dir(path)  # a missing folder is unusable input (exit 2), not "no checkpoint"
+    listing = storage.list_dir(path)  # a missing folder is unusable (exit 2), not "none found"
+    if not any(layout.parse_step(d) is not None for d in listing.dirs):
+        if Checkpointer.dir_is_checkpoint(path):
+            raise CheckpointNotFoundError(
+                f"'{path}' is a checkpoint, not a folder of checkpoints; pass the folder "
+                f"that holds it: `trainckpt latest {storage.parent(path)}`"
+            )
     try:
         print(Checkpointer.latest_checkpoint(path))
     except CheckpointNotFoundError as e:
@@ -131,6 +145,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    storage, path = resolve(args.ckpt)
+    require_one_checkpoint(storage, path, "verify")
     with progress_bar("verifying", args.progress) as progress:
         if progress is not None:
             progress.set_total(manifest_bytes(args.ckpt))
@@ -199,6 +215,14 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="show logs"
     )
+    common.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=argparse.SUPPRESS,
+        metavar="SECONDS",
+        help="how long a storage request is retried before the command fails "
+        f"(retry_deadline; default {DEFAULT_TIMEOUT:g})",
+    )
     bar = argparse.ArgumentParser(add_help=False)
     bar.add_argument(
         "--progress",
@@ -218,6 +242,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"trainckpt {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     parser.add_argument("-v", "--verbose", action="store_true", help="show logs")
+    parser.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=DEFAULT_TIMEOUT,
+        metavar="SECONDS",
+        help="how long a storage request is retried before the command fails",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(
@@ -303,8 +334,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = logging.DEBUG if args.debug else logging.INFO if args.verbose else logging.WARNING
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    options = dataclasses.replace(DEFAULT_OPTIONS, retry_deadline=args.timeout)
     try:
-        return int(args.func(args))
+        with default_options(options):
+            return int(args.func(args))
     except KeyboardInterrupt:
         print(f"trainckpt {args.command}: interrupted", file=sys.stderr)
         return 130
@@ -317,8 +350,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_UNUSABLE
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
 def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split())
+    if "retry_deadline" in text:
+        text += " (here: --timeout SECONDS)"
     if isinstance(e, CheckpointError):
         return text
     hint = "" if "--debug" in text else " (rerun with --debug for the traceback)"

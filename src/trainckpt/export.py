@@ -25,6 +25,7 @@ from .dcp import load_full_state, read_dcp_metadata
 from .errors import CheckpointExistsError, CheckpointNotFoundError, ConfigurationError
 from .inventory import checkpoint_dcp_folder
 from .storage import resolve
+from .storage.local import writing
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +79,16 @@ def export_checkpoint(
     """
     src_storage, src = resolve(ckpt)
     dst_storage, dst = resolve(out)
+    if not dst_storage.writable:  # before any request: a read-only server is not asked
+        raise ConfigurationError(
+            f"cannot export to '{dst}': that storage is read-only; write to a local path, "
+            "gs:// or s3://"
+        )
     if not overwrite and dst_storage.exists(dst):
         raise CheckpointExistsError(f"'{dst}' already exists; pass --overwrite to replace it")
     if fmt == "safetensors":
         _require_safetensors()
-    folder = checkpoint_dcp_folder(src_storage, src)
+    folder = checkpoint_dcp_folder(src_storage, src, command="export")
     # sizes against the manifest (one listing): a truncated or missing shard is named up front
     Checkpointer.verify(src).raise_if_bad()
     metadata = read_dcp_metadata(src_storage, folder)
@@ -98,9 +104,12 @@ def export_checkpoint(
     state = {k[len(prefix) :]: _convert(v, dtype) for k, v in state.items()}
     if fmt == "safetensors":
         _check_tensors_only(state, src)
-    with tempfile.TemporaryDirectory(prefix="trainckpt-export-", dir=work_dir) as tmp:
+    with writing(work_dir or tempfile.gettempdir()):
+        scratch = tempfile.TemporaryDirectory(prefix="trainckpt-export-", dir=work_dir)
+    with scratch as tmp:
         local = Path(tmp) / "export"
-        _write(state, local, fmt, src)
+        with writing(local):
+            _write(state, local, fmt, src)
         try:
             dst_storage.upload(local, dst, overwrite=overwrite)
         except FileExistsError as e:

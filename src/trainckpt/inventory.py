@@ -268,34 +268,45 @@ def describe_checkpoint(ckpt: str) -> CheckpointReport:
     )
 
 
-def checkpoint_dcp_folder(storage: Storage, path: str) -> str:
+def checkpoint_dcp_folder(storage: Storage, path: str, command: str = "inspect") -> str:
     """The DCP folder of checkpoint `path`. When `path` is no checkpoint, the error says
-    whether it does not exist or is a save folder (naming its newest checkpoint)."""
+    whether it is a file, does not exist or is a save folder (naming its newest checkpoint
+    and the `trainckpt` `command` to run on it)."""
     try:
         return dcp_folder(storage, path)
-    except CheckpointNotFoundError as e:
-        raise _not_a_checkpoint(storage, path, e) from e
+    except CheckpointNotFoundError:
+        require_one_checkpoint(storage, path, command)
+        raise
 
 
-def _not_a_checkpoint(
-    storage: Storage, path: str, cause: CheckpointNotFoundError
-) -> CheckpointNotFoundError:
+def require_one_checkpoint(storage: Storage, path: str, command: str) -> None:
+    """Refuse, as a usage mistake (`CheckpointNotFoundError`), a `path` that is a file, does
+    not exist, is empty or is a folder of checkpoints rather than one; the message names the
+    `trainckpt` command to use instead. A checkpoint, a bare DCP folder or an uncommitted
+    step folder (whose problems the caller reports) passes."""
+    if Checkpointer.dir_is_checkpoint(path):
+        return
+    if storage.exists(path):
+        raise CheckpointNotFoundError(
+            f"'{path}' is a file, not a checkpoint folder: pass the step folder of a "
+            "checkpoint (`trainckpt ls FOLDER` lists those of a save folder)"
+        )
     try:
         listing = storage.list_dir(path)
     except FileNotFoundError:
         listing = None
     if listing is None or (not listing.dirs and not listing.files):
-        return CheckpointNotFoundError(
+        raise CheckpointNotFoundError(
             f"'{path}' does not exist (or is empty): check the path; "
             "`trainckpt ls FOLDER` lists the checkpoints of a save folder"
         )
     try:
         latest = Checkpointer.latest_checkpoint(path)
     except CheckpointError:
-        return cause
-    return CheckpointNotFoundError(
+        return
+    raise CheckpointNotFoundError(
         f"'{path}' holds checkpoints but is not one; pass one of them, e.g. the newest: "
-        f"'{latest}' (`trainckpt ls {path}` lists them all)"
+        f"`trainckpt {command} {latest}` (`trainckpt ls {path}` lists them all)"
     )
 
 

@@ -2,17 +2,46 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 from .base import DEFAULT_OPTIONS, Listing, Storage, StorageOptions
 from .local import LocalStorage
 
-__all__ = ["Listing", "Storage", "StorageOptions", "LocalStorage", "storage_for", "resolve"]
+__all__ = [
+    "Listing",
+    "Storage",
+    "StorageOptions",
+    "LocalStorage",
+    "storage_for",
+    "resolve",
+    "default_options",
+]
 
 _LOCAL = LocalStorage()
+_DEFAULT: ContextVar[StorageOptions] = ContextVar(
+    "trainckpt_storage_options", default=DEFAULT_OPTIONS
+)
+
+
+@contextmanager
+def default_options(options: StorageOptions) -> Iterator[None]:
+    """Within the block (this thread's context), `storage_for` and `resolve` called without
+    options use `options`: how the `trainckpt` command's `--timeout` reaches every storage
+    call, the `Checkpointer` classmethods' included. Options passed explicitly still win."""
+    token = _DEFAULT.set(options)
+    try:
+        yield
+    finally:
+        _DEFAULT.reset(token)
 
 
 def storage_for(location: str, options: StorageOptions = DEFAULT_OPTIONS) -> Storage:
     """The back end that serves `location` (a local path, `file://`, `gs://`, `s3://`,
     `http(s)://`)."""
+    if options is DEFAULT_OPTIONS:
+        options = _DEFAULT.get()
     scheme = location.split("://", 1)[0].lower() if "://" in location else ""
     if scheme in ("", "file"):
         return _LOCAL
