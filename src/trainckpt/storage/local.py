@@ -59,12 +59,18 @@ def read_failure(path: str | Path, e: OSError) -> StorageError:
 
 @contextmanager
 def writing(path: str | Path) -> Iterator[None]:
-    """Turn an `OSError` raised while writing `path` into a `StorageError` with write advice;
-    errors of our family (e.g. `CheckpointExistsError`) pass unchanged."""
+    """Turn an `OSError` raised while writing `path` into a `StorageError` with write advice
+    (`CheckpointNotFoundError` when its folder vanished); errors of our family (e.g.
+    `CheckpointExistsError`) pass unchanged."""
     try:
         yield
     except CheckpointError:
         raise
+    except FileNotFoundError as e:
+        raise CheckpointNotFoundError(
+            f"cannot write '{path}': its folder does not exist (any more); something deleted "
+            "it while it was being written"
+        ) from e
     except OSError as e:
         raise write_failure(path, e) from e
 
