@@ -29,6 +29,7 @@ from trainckpt import (
 )
 from trainckpt.records import MAX_DCP_METADATA_BYTES, MAX_MANIFEST_BYTES, MAX_METADATA_BYTES
 from trainckpt.retention import Remover
+from trainckpt.storage import resolve
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -192,3 +193,23 @@ def test_oversized_dcp_metadata_is_refused_unread(run: Path, ckpt: Checkpointer)
         unchecked.load(run / "step3", fresh_module())  # the bound, where the pickle is read
     inspect = run_cli("inspect", str(run / "step3"))
     assert inspect.returncode == 2 and f"{dcp_md} is larger than" in inspect.stderr, inspect
+
+
+def test_hostile_records_on_an_object_store(gcs_bucket: str, tmp_path: Path):
+    """On fake-gcs-server the bound is a ranged read: a commit record past 64 KiB and a nested
+    manifest are skipped for the older good checkpoint, as on a local disk."""
+    ckpt = CheckpointerConfig(work_dir=tmp_path / "work").build()
+    run = f"{gcs_bucket}/run"
+    for step in (1, 2, 3):
+        ckpt.save(f"{run}/step{step}", make_module(seed=step), {"step": step})
+    storage, _ = resolve(run)
+    padded = b'{"ephemeral": false, "version": "x"}' + b" " * MAX_METADATA_BYTES
+    storage.write_bytes(f"{run}/step3/.metadata.json", padded)
+    storage.write_bytes(f"{run}/step2/.manifest.json", b"[" * 100_000 + b"]" * 100_000)
+
+    with pytest.raises(CorruptCheckpointError, match=f"{run}/step3/.metadata.json is larger"):
+        Checkpointer.read_metadata(f"{run}/step3")
+    assert Checkpointer.latest_checkpoint(run) == f"{run}/step2"  # its commit record is fine
+    assert ckpt.find_latest_good(run) == f"{run}/step1"
+    assert Remover(run, CheckpointPolicy(max_checkpoints=1)).run_round() == []
+    ckpt.close()

@@ -11,9 +11,9 @@ is left behind.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,6 +23,7 @@ import pytest
 from models import fresh_module, make_module
 
 from trainckpt import Checkpointer, CheckpointerConfig, StorageError
+from trainckpt.faults import ENV_VAR
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -76,21 +77,19 @@ def ckpt(tmp_path: Path):
     c.close()
 
 
-def data_pages(ckpt: Path) -> int:
-    """Pages a tmpfs needs for every file of a checkpoint but its two records."""
-    return sum(
-        math.ceil(p.stat().st_size / PAGE)
-        for p in ckpt.rglob("*")
-        if p.is_file() and p.name not in RECORDS
-    )
-
-
 def assert_write_error(error: BaseException, path: Path, *advice: str) -> None:
     text = str(error)
     assert isinstance(error, StorageError), repr(error)
     assert f"cannot write '{path}'" in text, text
     for a in advice:
         assert a in text, (a, text)
+    assert not any(a in text for a in LOAD_ADVICE), text
+
+
+def assert_refused(text: str, run: Path, why: str) -> None:
+    """A refused write under `run`: the path named, the reason, no load advice (the message
+    may come from any step that writes first: a working folder, a claim, a deletion)."""
+    assert f"'{run}{os.sep}" in text and why in text.lower(), text
     assert not any(a in text for a in LOAD_ADVICE), text
 
 
@@ -103,13 +102,17 @@ def assert_nothing_committed(run: Path) -> None:
 
 @needs_root
 @pytest.mark.parametrize("record", RECORDS)
-def test_no_space_for_a_record(tmpfs: Tmpfs, ckpt: Checkpointer, record: str):
-    """The tmpfs holds every data file exactly (plus the manifest's page when the commit record
-    is under test): the write of `record` is the one that finds no space."""
+def test_no_space_for_a_record(tmpfs: Tmpfs, ckpt: Checkpointer, tmp_path: Path, record: str):
+    """A save killed just before it writes the manifest (`before-manifest`) shows how many
+    pages the filesystem holds at that moment; a fresh tmpfs of exactly that size (plus the
+    manifest's page when the commit record is under test) makes the write of `record` the one
+    that finds no space."""
     run = tmpfs.path / "run"
     tmpfs.mount(8 << 20)
-    ckpt.save(run / "step1", make_module(), {"step": 1})
-    pages = data_pages(run / "step1") + RECORDS.index(record)
+    killed = save_in_subprocess(run / "step1", tmp_path / "work", fault="before-manifest")
+    assert killed == ("killed", ""), killed
+    st = os.statvfs(tmpfs.path)
+    pages = (st.f_blocks - st.f_bfree) * st.f_frsize // PAGE + RECORDS.index(record)
     tmpfs.mount(pages * PAGE)  # a fresh, smaller filesystem at the same path
 
     with pytest.raises(StorageError) as info:
@@ -141,30 +144,41 @@ def test_read_only_filesystem(tmpfs: Tmpfs, ckpt: Checkpointer):
     run = tmpfs.path / "run"
     tmpfs.mount(8 << 20)
     ckpt.save(run / "step1", make_module(), {"step": 1})
+    ckpt.save(run / "step2", make_module(), {"step": 2}, ephemeral=True)
+    shutil.copytree(run / "step1", run / "step3-tmp")  # a crashed save's working folder
     tmpfs.read_only()
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
 
-    with pytest.raises(StorageError) as info:
-        ckpt.save(run / "step2", make_module(), {"step": 2})
-    assert_write_error(info.value, run / "step2-tmp", "read-only", "writable folder")
+    for step in (3, 4):  # with a leftover to clear first, and without
+        with pytest.raises(StorageError) as info:
+            ckpt.save(run / f"step{step}", make_module(), {"step": step})
+        assert_refused(str(info.value), run, "read-only")
     with pytest.raises(StorageError) as info:
         ckpt.write_file(run, "config.yaml", "lr: 1")
-    assert_write_error(info.value, run / "config.yaml", "read-only")
-    # reading is unaffected
-    assert ckpt.load(ckpt.find_latest_good(run), fresh_module()) == {"step": 1}
-    assert sorted(os.listdir(run)) == ["step1"]
+    assert_write_error(info.value, run / "config.yaml", "read-only", "writable folder")
+    prune = subprocess.run(
+        [str(TRAINCKPT), "prune", str(run), "-k", "1"], capture_output=True, text=True, timeout=300
+    )
+    assert prune.returncode == 2 and "Traceback" not in prune.stderr, prune
+    assert_refused(prune.stderr, run, "read-only")
+    # reading is unaffected, and nothing changed
+    assert ckpt.load(ckpt.find_latest_good(run), fresh_module()) == {"step": 2}
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
 
 
 # -- permission denied -----------------------------------------------------------------------------
 
 
-def run_without_override(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+def run_without_override(
+    code: str, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run Python `code` (or, with `args`, the `trainckpt` command) in a process that cannot
     ignore file permissions: as root, with CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH dropped
     from its bounding set; as any other user, as it is."""
     cmd = [str(TRAINCKPT), *args] if args else [sys.executable, "-c", code]
     if os.geteuid() == 0:
         cmd = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *cmd]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False, env=env)
 
 
 SAVE = """
@@ -181,9 +195,14 @@ except BaseException as e:
 """
 
 
-def save_in_subprocess(target: Path, work: Path) -> tuple[str, str]:
+def save_in_subprocess(target: Path, work: Path, fault: str | None = None) -> tuple[str, str]:
+    """Save one checkpoint in a process that cannot ignore permissions; (error type, message),
+    ("saved", "") or, when SIGKILLed at the `fault` point, ("killed", "")."""
     code = SAVE.format(tests=str(Path(__file__).parent), work=str(work), target=str(target))
-    proc = run_without_override(code)
+    env = {**os.environ, ENV_VAR: fault} if fault else None
+    proc = run_without_override(code, env=env)
+    if fault and proc.returncode == -signal.SIGKILL:
+        return "killed", ""
     assert proc.returncode == 0, proc.stderr
     kind, text = json.loads(proc.stdout.strip().splitlines()[-1])
     return kind, text
@@ -198,8 +217,8 @@ def test_permission_denied_on_the_save_folder(tmp_path: Path):
     finally:
         run.chmod(0o755)
     assert kind == "StorageError", (kind, text)
-    assert f"cannot write '{run / 'step1-tmp'}': permission denied" in text, text
-    assert "write access" in text and not any(a in text for a in LOAD_ADVICE), text
+    assert_refused(text, run, "permission denied")
+    assert "write access" in text or "writable" in text, text
     assert_nothing_committed(run)
 
 

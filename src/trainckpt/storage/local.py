@@ -34,18 +34,19 @@ _WRITE_ADVICE = {
 }
 
 
-def write_failure(path: str | Path, e: OSError) -> StorageError:
-    """The `StorageError` for a failed write of `path`: what failed and what to do."""
+def write_failure(path: str | Path, e: OSError, verb: str = "write") -> StorageError:
+    """The `StorageError` for a failed write (or `verb`: delete, rename) of `path`: what
+    failed and what to do."""
     blocker = _file_in_the_way(Path(path))
     if blocker is not None:
         return StorageError(
-            f"cannot write '{path}': '{blocker}' is a file, not a folder; "
+            f"cannot {verb} '{path}': '{blocker}' is a file, not a folder; "
             "move it away, or choose another save folder"
         )
     advice = _WRITE_ADVICE.get(e.errno or 0) or (
         f"{e.strerror or e}: check the disk and its permissions, or save to another folder"
     )
-    return StorageError(f"cannot write '{path}': {advice}")
+    return StorageError(f"cannot {verb} '{path}': {advice}")
 
 
 def read_failure(path: str | Path, e: OSError) -> StorageError:
@@ -251,6 +252,8 @@ class LocalStorage(Storage):
                 pass
             except IsADirectoryError:
                 shutil.rmtree(loc, ignore_errors=True)
+            except OSError as e:
+                raise write_failure(loc, e, verb="delete") from e
         for parent in parents:
             if os.path.isdir(parent):
                 fsync_dir(Path(parent))
@@ -266,5 +269,5 @@ class LocalStorage(Storage):
                 raise CheckpointExistsError(
                     f"cannot rename '{src}' to '{dst}': the target exists"
                 ) from e
-            raise StorageError(f"cannot rename '{src}' to '{dst}': {e}") from e
+            raise write_failure(dst, e, verb=f"rename '{src}' to") from e
         fsync_dir(Path(dst).parent)
