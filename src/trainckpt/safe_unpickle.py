@@ -60,7 +60,7 @@ def _numpy() -> Any:
     """numpy, imported only when a checkpoint names it (numpy is optional)."""
     try:
         import numpy
-    except ImportError as e:  # pragma: no cover - numpy ships with every supported torch
+    except ImportError as e:
         raise _Refused("the file holds numpy values but numpy is not installed") from e
     return numpy
 
@@ -260,11 +260,11 @@ def _damaged_container(data: bytes) -> str | None:
 
 
 def load_torch_plain(data: bytes, where: str) -> Any:
-    """What `torch.save` wrote into `data` (`where`: the quoted file or value, for messages),
-    loaded with PyTorch's
-    `weights_only` unpickler plus the numpy stand-ins: tensors, plain containers and scalars,
-    numpy arrays/scalars/dtypes of plain dtypes. Raises `UnsafeCheckpointError` for anything
-    else and `CorruptCheckpointError` for a damaged file; nothing from it is ever run."""
+    """What `torch.save` wrote into `data`, loaded with PyTorch's `weights_only` unpickler plus
+    the numpy stand-ins: tensors, plain containers and scalars, numpy arrays/scalars/dtypes of
+    plain dtypes. Raises `UnsafeCheckpointError` for anything else and `CorruptCheckpointError`
+    for a damaged file (`where`, the quoted file or value, names it); nothing from it is ever
+    run. Called on: any rank, for its own files."""
     try:
         with _TORCH_LOAD_LOCK, torch.serialization.safe_globals(_TORCH_EXTRA_GLOBALS):
             obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
