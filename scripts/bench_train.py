@@ -115,6 +115,8 @@ class Contender:
     key: str
     start: Callable[[Path], Save]
     close: Callable[[], None] = lambda: None
+    processes: Callable[[], list[int]] = list
+    """Ids of the other processes the contender writes with (their CPU time counts too)."""
 
 
 class Floor:
@@ -168,6 +170,9 @@ class Floor:
         threading.Thread(target=wait, daemon=True).start()
         return save
 
+    def pids(self) -> list[int]:
+        return [self.proc.pid]
+
     def close(self) -> None:
         assert self.proc.stdin is not None
         self.proc.stdin.close()
@@ -188,7 +193,7 @@ def make_contenders(
     for key in keys:
         if key == "floor":
             floor = Floor(module, root)
-            contenders.append(Contender(key, floor.start, floor.close))
+            contenders.append(Contender(key, floor.start, floor.close, floor.pids))
         elif key in ("async", "overlap"):
             overlap = key == "overlap"
 
@@ -199,7 +204,12 @@ def make_contenders(
 
             contenders.append(Contender(key, start, ckpt.close))
         elif key in ("dcp-thread", "dcp-process"):
-            contenders.append(Contender(key, _dcp_start(module, key == "dcp-process", group)))
+            process = key == "dcp-process"
+            contenders.append(
+                Contender(key, _dcp_start(module, process, group), processes=_dcp_processes)
+                if process
+                else Contender(key, _dcp_start(module, process, group))
+            )
         elif key == "olmo":
             try:
                 import olmo_core.train.checkpoint  # noqa: F401
@@ -208,6 +218,15 @@ def make_contenders(
                 continue
             contenders.append(Contender(key, _olmo_start(module, root, group)))
     return contenders, notes
+
+
+def _dcp_processes() -> list[int]:
+    """The id of DCP's checkpoint process (private to DCP; absent until the first save)."""
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    proc = getattr(executor, "_CHECKPOINT_PROCESS", None)
+    save_process = getattr(proc, "_save_process", None)
+    return [save_process.pid] if save_process is not None else []
 
 
 def _olmo_start(module: ModelAndOptim, root: Path, group: Any) -> Callable[[Path], Save]:
@@ -248,8 +267,20 @@ def _dcp_start(module: ModelAndOptim, process: bool, group: Any) -> Callable[[Pa
 # -- running ---------------------------------------------------------------------------------------
 
 
+def _cpu_seconds(pids: list[int]) -> float:
+    """CPU time of this process and of the processes `pids` (user + system, from /proc)."""
+    total = time.process_time()
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 @dataclass
 class Sample:
+    cpu: float
+    """CPU seconds the save burnt outside the training thread, from the call to the commit
+    (the blocking part included)."""
     blocked: float
     committed: float
     before: float
@@ -262,9 +293,12 @@ def one_save(trainer: Trainer, contender: Contender, folder: Path, warm_steps: i
     """Train `warm_steps` steps, start the save, keep training until it is committed."""
     before = [trainer.step() for _ in range(warm_steps)]
     base = statistics.median(before)
+    pids = contender.processes()
+    cpu_start = _cpu_seconds(pids)
     start = time.perf_counter()
     save = contender.start(folder)
     blocked = time.perf_counter() - start
+    training_cpu_start = time.thread_time()  # the steps' CPU is not the save's
     during: list[float] = []
     while True:
         step_start = time.perf_counter()
@@ -272,10 +306,12 @@ def one_save(trainer: Trainer, contender: Contender, folder: Path, warm_steps: i
             break
         during.append(trainer.step(save.before_optim_step))
     save.committed.wait()
+    cpu = _cpu_seconds(pids) - cpu_start - (time.thread_time() - training_cpu_start)
     if save.error is not None:
         raise RuntimeError(f"{LABELS[contender.key]} failed: {save.error}") from save.error
     extra = sum(d - base for d in during)
     return Sample(
+        cpu=cpu,
         blocked=blocked,
         committed=save.committed_at - start,
         before=base,
@@ -309,7 +345,7 @@ def run(
             print(
                 f"  repeat {r + 1}/{repeats} {LABELS[c.key]}: blocked {s.blocked:.2f}s "
                 f"committed {s.committed:.2f}s step x{s.during:.2f} ({s.steps} steps) "
-                f"lost {s.lost:.2f}s",
+                f"lost {s.lost:.2f}s cpu {s.cpu:.2f}s",
                 flush=True,
             )
     return samples
@@ -331,6 +367,7 @@ def results(samples: dict[str, list[Sample]]) -> dict[str, dict[str, Any]]:
             "committed_s": _summary([s.committed for s in xs]),
             "step_during_over_before": _summary([s.during for s in xs]),
             "lost_s": _summary([s.lost for s in xs]),
+            "save_cpu_s": _summary([s.cpu for s in xs]),
             "step_before_s": _summary([s.before for s in xs]),
             "steps_during": _summary([float(s.steps) for s in xs]),
         }
@@ -349,7 +386,8 @@ def table(res: dict[str, dict[str, Any]]) -> str:
 
     head = (
         f"{'contender':<34} {'call blocks s':>19} {'until committed s':>19} "
-        f"{'step × during':>19} {'training lost s':>19} {'× floor':>7} {'× best peer':>11}"
+        f"{'step × during':>19} {'training lost s':>19} {'× floor':>7} {'× best peer':>11} "
+        f"{'save CPU s':>19}"
     )
     lines = [head, "-" * len(head)]
     for label, r in res.items():
@@ -357,12 +395,14 @@ def table(res: dict[str, dict[str, Any]]) -> str:
         lines.append(
             f"{label:<34} {cell(r['blocked_s'], '.2f'):>19} {cell(r['committed_s'], '.2f'):>19} "
             f"{cell(r['step_during_over_before'], '.2f'):>19} {cell(r['lost_s'], '.2f'):>19} "
-            f"{_ratio(lost, floor):>7} {_ratio(lost, best_peer):>11}"
+            f"{_ratio(lost, floor):>7} {_ratio(lost, best_peer):>11} "
+            f"{cell(r['save_cpu_s'], '.2f'):>19}"
         )
     step = statistics.median(r["step_before_s"]["median"] for r in res.values())
     lines.append(
         f"(median training step before a save: {step * 1000:.0f} ms on 1 thread; lost = call "
-        "blocking + extra time of every step that started before the commit)"
+        "blocking + extra time of every step that started before the commit; save CPU = CPU "
+        "time of the save's threads and processes, call to commit)"
     )
     return "\n".join(lines)
 

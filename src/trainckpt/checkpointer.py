@@ -13,8 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-import torch
-
 from . import dist, exit_guard, finders, layout
 from .commit import OnFile, SaveRequest, is_committed, save_checkpoint
 from .direct import load_direct, loads_directly, save_direct, saves_directly
@@ -27,7 +25,7 @@ from .errors import (
 from .faults import fault_point
 from .futures import CallbacksFirstFuture
 from .records import CheckpointMetadata, FileEntry, crc32c_bytes, crc32c_file
-from .staging import Stager
+from .staging import Stager, StreamMark
 from .storage import LocalStorage, Storage, StorageOptions, resolve
 from .train_module import TrainModule
 from .trainer_state import deserialize_trainer_state, serialize_trainer_state
@@ -158,6 +156,7 @@ class Checkpointer:
         trainer_bytes, state = self._prepare(
             req, train_module, train_state, stage=not overlap_staging
         )
+        mark = self._stager.mark() if overlap_staging else None  # the GPU state as of now
         staging: Future[None] = Future()
         if not overlap_staging:
             staging.set_result(None)
@@ -170,10 +169,11 @@ class Checkpointer:
         def run() -> str:
             staged = state
             if overlap_staging:
-                staged = self._stage_in_background(req, state, staging)
+                staged = self._stage_in_background(req, state, staging, mark)
             staged_at = time.perf_counter()
             path = save_checkpoint(
-                req, self._write_fn(staged, trainer_bytes, _dcp_dir(req), train_module)
+                req,
+                self._write_fn(staged, trainer_bytes, _dcp_dir(req), train_module, background=True),
             )
             self._log_saved(path, start, start if overlap_staging else staged_at)
             return path
@@ -263,17 +263,16 @@ class Checkpointer:
             staging.result()
 
     def _stage_in_background(
-        self, req: SaveRequest, state: dict[str, Any], done: Future[None]
+        self, req: SaveRequest, state: dict[str, Any], done: Future[None], mark: StreamMark | None
     ) -> dict[str, Any]:
-        """Copy `state` to CPU buffers off the training thread and signal `done`; every rank
-        learns whether every rank staged. Called on: all ranks (background thread)."""
+        """Copy `state` to CPU buffers off the training thread (after the training stream's
+        `mark`, on a GPU) and signal `done` once the copies are complete; every rank learns
+        whether every rank staged. Called on: all ranks (background thread)."""
         error: Exception | None = None
         staged: dict[str, Any] = {}
         start = time.perf_counter()
         try:
-            staged = self._stager.stage(state)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
+            staged = self._stager.stage(state, after=mark)
         except Exception as e:
             error = e
         if error is None:
@@ -335,9 +334,7 @@ class Checkpointer:
             if not saves_directly(train_module):
                 state = train_module.state_dict_to_save()
             if stage:
-                state = self._stager.stage(state)
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
+                state = self._stager.stage(state)  # complete (GPU copies too) when it returns
         except Exception as e:
             error = e
         dist.agree(error, f"preparing the save of '{req.dir}'", self.process_group)
@@ -361,8 +358,17 @@ class Checkpointer:
         )
 
     def _write_fn(
-        self, state: dict[str, Any], trainer_bytes: bytes, dcp_dir: str, train_module: TrainModule
+        self,
+        state: dict[str, Any],
+        trainer_bytes: bytes,
+        dcp_dir: str,
+        train_module: TrainModule,
+        *,
+        background: bool = False,
     ):
+        """The commit protocol's `write` for this state. A `background` save (save_async)
+        writes its shard files one at a time, leaving the other cores to training; the files
+        are the same as a blocking save's."""
         group = self.process_group
         threads = self.save_thread_count or _default_threads()
         direct = saves_directly(train_module)
@@ -403,6 +409,7 @@ class Checkpointer:
                         model_dir,
                         group=group,
                         thread_count=shards,
+                        write_threads=1 if background else shards,
                         durable=durable,
                         on_file=on_file,
                         prefix=prefix,

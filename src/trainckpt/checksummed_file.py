@@ -3,12 +3,19 @@
 Checkpoint files need a CRC32C in the manifest. Computing it while writing costs one pass over
 memory that is already hot; computing it afterwards means reading every file back (from disk,
 once a checkpoint outgrows the page cache). The file is fsynced once, when closed.
+
+The writer often runs on a background thread while training goes on (`save_async`), so it
+holds the interpreter lock as little as it can: large writes are cut into chunks of `_CHUNK`
+bytes, and for each the CRC32C (read in place, without the lock) and the `write` (the kernel
+call, without the lock) are the only work; the chunk is still in the CPU cache for the second
+pass.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -18,12 +25,78 @@ import google_crc32c
 from .records import FileEntry
 from .storage.local import writing
 
-_CRC_CHUNK = 1 << 20
-"""google_crc32c accepts only `bytes`: large buffers are copied into it in chunks this big, so
-the copies stay in the CPU cache and the allocator reuses their memory."""
+_CHUNK = 8 << 20
+"""Large writes go out in chunks this big: each is CRC'd and written while it is in the CPU
+cache, and the training thread gets the interpreter lock between chunks."""
 
 _BUFFER = 1 << 20
 """Small writes (torch.save's headers) are buffered; large ones go straight to the kernel."""
+
+
+class _PyBuffer(ctypes.Structure):
+    """CPython's `Py_buffer`: how to get the address of any buffer, read-only ones too."""
+
+    _fields_ = [
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.c_void_p),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
+    ]
+
+
+def _native_extend() -> Callable[[int, int, int], int] | None:
+    """`crc32c_extend(crc, address, size)` of the crc32c library that google_crc32c's C
+    extension links, called through ctypes: it reads the bytes in place, and ctypes releases
+    the interpreter lock for the call. (google_crc32c's own `extend` wants `bytes`, which means
+    a copy made while holding the lock.) None when only its pure-Python version is installed."""
+    try:
+        from google_crc32c import _crc32c  # type: ignore[attr-defined]
+
+        fn = ctypes.CDLL(_crc32c.__file__).crc32c_extend
+        get, release = ctypes.pythonapi.PyObject_GetBuffer, ctypes.pythonapi.PyBuffer_Release
+    except (ImportError, OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t)
+    fn.restype = ctypes.c_uint32
+    get.argtypes = (ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int)
+    get.restype = ctypes.c_int
+    release.argtypes = (ctypes.POINTER(_PyBuffer),)
+    release.restype = None
+    probe = ctypes.create_string_buffer(b"123456789", 9)
+    if fn(0, ctypes.addressof(probe), 9) != 0xE3069283:  # the standard check value
+        return None  # not the function it is named after: use the safe path
+    return fn
+
+
+_EXTEND = _native_extend()
+
+
+@contextmanager
+def _address(view: memoryview) -> Iterator[int]:
+    """The address of a contiguous buffer's first byte, valid inside the block."""
+    buf = _PyBuffer()
+    if ctypes.pythonapi.PyObject_GetBuffer(ctypes.py_object(view), ctypes.byref(buf), 0) != 0:
+        raise BufferError("cannot address the buffer")
+    try:
+        yield int(buf.buf or 0)
+    finally:
+        ctypes.pythonapi.PyBuffer_Release(ctypes.byref(buf))
+
+
+def crc32c_extend(crc: int, view: memoryview) -> int:
+    """The CRC32C `crc` extended by the bytes of `view` (a contiguous byte view). Large views
+    are read in place without the interpreter lock when the native library is there."""
+    if _EXTEND is None or len(view) < _BUFFER:
+        return google_crc32c.extend(crc, bytes(view))
+    with _address(view) as address:
+        return _EXTEND(crc, address, len(view))
 
 
 class ChecksummedWriter:
@@ -41,14 +114,12 @@ class ChecksummedWriter:
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         n = len(view)
-        if isinstance(data, bytes):
-            self._crc = google_crc32c.extend(self._crc, data)
-        else:
-            for start in range(0, n, _CRC_CHUNK):
-                self._crc = google_crc32c.extend(self._crc, bytes(view[start : start + _CRC_CHUNK]))
-        written = 0
-        while written < n:  # a large write to a regular file may be partial
-            written += self._f.write(view[written:])
+        for start in range(0, n, _CHUNK):
+            chunk = view[start : start + _CHUNK]
+            self._crc = crc32c_extend(self._crc, chunk)
+            written = 0
+            while written < len(chunk):  # a large write to a regular file may be partial
+                written += self._f.write(chunk[written:])
         self._size += n
         return n
 

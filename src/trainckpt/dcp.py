@@ -49,14 +49,16 @@ def save_state(
     *,
     group: dist.ProcessGroup | None,
     thread_count: int,
+    write_threads: int | None = None,
     durable: bool = True,
     on_file: Callable[[str], None] | None = None,
     prefix: str | None = None,
 ) -> dict[str, FileEntry]:
-    """Write `state` as a DCP folder and return the files this rank wrote (relative to the
-    checkpoint folder: `prefix` + name, `prefix` defaulting to the DCP folder's name and a
-    slash) with size and CRC32C; with `durable`, every file is fsynced. `on_file` gets each
-    shard's path (the same relative path) as soon as it is complete.
+    """Write `state` as a DCP folder of up to `thread_count` shard files per rank, written by
+    `write_threads` threads (default: one per file), and return the files this rank wrote
+    (relative to the checkpoint folder: `prefix` + name, `prefix` defaulting to the DCP
+    folder's name and a slash) with size and CRC32C; with `durable`, every file is fsynced.
+    `on_file` gets each shard's path (the same relative path) as soon as it is complete.
 
     Called on: all ranks (DCP plans collectively; rank 0 also writes `.metadata`).
     """
@@ -64,6 +66,7 @@ def save_state(
     writer = RecordingWriter(
         folder,
         thread_count=thread_count,
+        write_threads=write_threads,
         durable=durable,
         on_file=None if on_file is None else lambda name: on_file(f"{rel}{name}"),
     )

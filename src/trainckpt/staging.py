@@ -1,9 +1,16 @@
 """Copy a state dict into CPU memory so training can go on while the copy is written.
 
 `Stager` keeps the buffers of the previous copy and reuses them when the next state has the same
-keys, shapes and dtypes, so repeated async saves cost one copy of the state in memory, allocated
-once. Only one staged copy is alive at a time: the caller must not stage again while a save of
-the previous copy is still writing (the checkpointer waits for it).
+keys, shapes, dtypes and pinning, so repeated async saves cost one copy of the state in memory,
+allocated once. Only one staged copy is alive at a time: the caller must not stage again while a
+save of the previous copy is still writing (the checkpointer waits for it).
+
+On a GPU (CUDA in use by the trainer) the copies go into pinned buffers, on a side stream of the
+trainer's device that first waits for the trainer's stream as it was at `mark()`: the copy reads
+the state as of that point, whatever the trainer queues afterwards, and runs alongside the
+trainer's next kernels. `stage` returns once the copies are complete. (State on another GPU of
+the same rank is copied on that device's current stream, then that device is synchronized.)
+Written to this contract but run only on CPU so far: see README "Performance".
 """
 
 from __future__ import annotations
@@ -11,6 +18,8 @@ from __future__ import annotations
 import copy
 import logging
 import sys
+from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,16 +27,49 @@ import torch
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class StreamMark:
+    """A point in the trainer's CUDA stream: the copies of a staging wait for it."""
+
+    device: int
+    event: Any  # torch.cuda.Event, recorded on the trainer's current stream
+
+
 class Stager:
     """Stages state dicts into reusable CPU buffers."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._streams: dict[int, Any] = {}
+        self._devices: set[int] = set()  # GPUs the current `stage` copies from
 
-    def stage(self, state: Any) -> Any:
-        """A copy of `state` whose tensors live in this stager's CPU buffers."""
+    def mark(self) -> StreamMark | None:
+        """Record where the calling (training) thread's CUDA stream is; None when CUDA is not in
+        use. Called on the training thread when a save is asked for."""
+        if not _cuda_in_use():
+            return None
+        device = torch.cuda.current_device()
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        return StreamMark(device, event)
+
+    def stage(self, state: Any, after: StreamMark | None = None) -> Any:
+        """A copy of `state` whose tensors live in this stager's CPU buffers, complete when this
+        returns. `after` is the trainer's stream position the copies must follow (from
+        `mark()`); staging on the training thread may leave it out (the current position).
+        Called on: the training thread, or the checkpointer's background thread with `after`."""
+        mark = after if after is not None else self.mark()
+        stream = None if mark is None else self._side_stream(mark)
         used: set[str] = set()
-        staged = self._copy(state, "", used)
+        self._devices = set()
+        with nullcontext() if stream is None else torch.cuda.stream(stream):
+            staged = self._copy(state, "", used)
+        if stream is not None and mark is not None:
+            # The source tensors stay referenced by `state` until here, so the caching
+            # allocator cannot hand their memory to the trainer while a copy reads it.
+            stream.synchronize()
+            for device in self._devices - {mark.device}:  # state on another GPU of this rank:
+                torch.cuda.synchronize(device)  # copied on that device's current stream
         for key in set(self._buffers) - used:  # drop buffers of state that went away
             del self._buffers[key]
         return staged
@@ -39,6 +81,14 @@ class Stager:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._buffers.values())
+
+    def _side_stream(self, mark: StreamMark) -> Any:
+        """This stager's copy stream on the mark's device, made to wait for the mark."""
+        stream = self._streams.get(mark.device)
+        if stream is None:
+            stream = self._streams[mark.device] = torch.cuda.Stream(device=mark.device)
+        stream.wait_event(mark.event)
+        return stream
 
     def _copy(self, obj: Any, path: str, used: set[str]) -> Any:
         DTensor = _dtensor_type()
@@ -66,17 +116,26 @@ class Stager:
     def _copy_tensor(self, t: torch.Tensor, path: str, used: set[str]) -> torch.Tensor:
         t = t.detach()
         used.add(path)
+        pin = t.is_cuda
+        if pin:
+            self._devices.add(t.device.index or 0)
         buf = self._buffers.get(path)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = torch.empty(
-                t.shape,
-                dtype=t.dtype,
-                device="cpu",
-                pin_memory=t.is_cuda and torch.cuda.is_available(),
-            )
+        # (is_pinned is asked only of GPU state: on a CPU trainer it could initialize CUDA.)
+        if (
+            buf is None
+            or buf.shape != t.shape
+            or buf.dtype != t.dtype
+            or (pin and not buf.is_pinned())
+        ):
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
             self._buffers[path] = buf
-        buf.copy_(t, non_blocking=t.is_cuda)
+        buf.copy_(t, non_blocking=pin)  # from the GPU: on the side stream, into pinned memory
         return buf
+
+
+def _cuda_in_use() -> bool:
+    """CUDA is there and the trainer has used it (staging never initializes CUDA itself)."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 def _dtensor_type() -> Any:
