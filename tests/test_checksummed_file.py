@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from trainckpt import checksummed_file as cf
+from trainckpt.errors import StorageError
 from trainckpt.records import crc32c_file
 
 SIZES = [0, 1, 4095, cf._BUFFER - 1, cf._BUFFER, cf._CHUNK - 1, cf._CHUNK + 1, 2 * cf._CHUNK + 7]
@@ -51,6 +52,6 @@ def test_torch_save_through_the_writer_loads_back_and_matches_its_crc32c(tmp_pat
 def test_an_existing_file_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "f.bin"
     path.write_bytes(b"keep")
-    with pytest.raises(FileExistsError), cf.checksummed_file(path):
+    with pytest.raises(StorageError, match="exists"), cf.checksummed_file(path):
         pass
     assert path.read_bytes() == b"keep"
