@@ -434,6 +434,11 @@ def test_usage_mistakes_exit_2_naming_the_command_to_use(template: tuple[Path, d
             f"`trainckpt {command} {newest}`",
         )
     assert_one_line_error(
+        run_cli("export", str(folder), str(folder.parent / "out.safetensors")),
+        "holds checkpoints but is not one",
+        f"`trainckpt export {newest} OUT`",
+    )
+    assert_one_line_error(
         run_cli("latest", str(newest)),
         "is a checkpoint, not a folder",
         f"`trainckpt latest {folder}`",

@@ -146,7 +146,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     storage, path = resolve(args.ckpt)
-    require_one_checkpoint(storage, path, "verify")
+    require_one_checkpoint(storage, path, "verify {}")
     with progress_bar("verifying", args.progress) as progress:
         if progress is not None:
             progress.set_total(manifest_bytes(args.ckpt))

@@ -88,7 +88,7 @@ def export_checkpoint(
         raise CheckpointExistsError(f"'{dst}' already exists; pass --overwrite to replace it")
     if fmt == "safetensors":
         _require_safetensors()
-    folder = checkpoint_dcp_folder(src_storage, src, command="export")
+    folder = checkpoint_dcp_folder(src_storage, src, command="export {} OUT")
     # sizes against the manifest (one listing): a truncated or missing shard is named up front
     Checkpointer.verify(src).raise_if_bad()
     metadata = read_dcp_metadata(src_storage, folder)

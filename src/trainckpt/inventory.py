@@ -268,7 +268,7 @@ def describe_checkpoint(ckpt: str) -> CheckpointReport:
     )
 
 
-def checkpoint_dcp_folder(storage: Storage, path: str, command: str = "inspect") -> str:
+def checkpoint_dcp_folder(storage: Storage, path: str, command: str = "inspect {}") -> str:
     """The DCP folder of checkpoint `path`. When `path` is no checkpoint, the error says
     whether it is a file, does not exist or is a save folder (naming its newest checkpoint
     and the `trainckpt` `command` to run on it)."""
@@ -282,8 +282,9 @@ def checkpoint_dcp_folder(storage: Storage, path: str, command: str = "inspect")
 def require_one_checkpoint(storage: Storage, path: str, command: str) -> None:
     """Refuse, as a usage mistake (`CheckpointNotFoundError`), a `path` that is a file, does
     not exist, is empty or is a folder of checkpoints rather than one; the message names the
-    `trainckpt` command to use instead. A checkpoint, a bare DCP folder or an uncommitted
-    step folder (whose problems the caller reports) passes."""
+    `trainckpt` command to use instead (`command`, with `{}` where the checkpoint goes). A
+    checkpoint, a bare DCP folder or an uncommitted step folder (whose problems the caller
+    reports) passes."""
     if Checkpointer.dir_is_checkpoint(path):
         return
     if storage.exists(path):
@@ -306,7 +307,7 @@ def require_one_checkpoint(storage: Storage, path: str, command: str) -> None:
         return
     raise CheckpointNotFoundError(
         f"'{path}' holds checkpoints but is not one; pass one of them, e.g. the newest: "
-        f"`trainckpt {command} {latest}` (`trainckpt ls {path}` lists them all)"
+        f"`trainckpt {command.format(latest)}` (`trainckpt ls {path}` lists them all)"
     )
 
 
