@@ -18,6 +18,7 @@ Every refusal is an `UnsafeCheckpointError`; a damaged file (a torn zip, a trunc
 
 from __future__ import annotations
 
+import gc
 import io
 import math
 import pickle
@@ -745,6 +746,8 @@ def load_dcp_metadata(data: bytes, where: str) -> Any:
     builds only DCP's records, torch sizes/dtypes/layouts/devices and plain containers).
     Raises `UnsafeCheckpointError` for anything else, `CorruptCheckpointError` for a broken
     pickle. Called on: whichever ranks read the metadata."""
+    collecting = gc.isenabled()
+    gc.disable()  # a big metadata is ~100k young objects: collections would dominate the read
     try:
         return _unpickle_dcp(data)
     except _Refused as e:
@@ -758,6 +761,9 @@ def load_dcp_metadata(data: bytes, where: str) -> Any:
             f"{where} cannot be read as DCP metadata ({type(e).__name__}: {_short(str(e))}); "
             "the checkpoint is damaged: restore it from a copy or use an older checkpoint"
         ) from e
+    finally:
+        if collecting:
+            gc.enable()
 
 
 __all__ = ["NoGlobalsUnpickler", "load_dcp_metadata", "load_torch_plain", "numpy_value_problem"]
