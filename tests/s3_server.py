@@ -32,6 +32,28 @@ _ENV = {
 }
 
 
+_PUT_LOCK = threading.Lock()
+
+
+def _atomic_conditional_puts() -> None:
+    """Make moto's conditional `PutObject` (If-None-Match, If-Match) atomic, as S3's is: moto
+    checks the condition and stores the object in two steps, so two racing create-only writes
+    could both succeed on its threaded server. One lock around each PutObject closes that gap
+    (only this process's server is affected; the requests still go over HTTP)."""
+    from moto.s3.responses import S3Response
+
+    put = S3Response.put_object
+    if getattr(put, "_trainckpt_atomic", False):
+        return
+
+    def locked(self: Any) -> Any:
+        with _PUT_LOCK:
+            return put(self)
+
+    locked._trainckpt_atomic = True  # type: ignore[attr-defined]
+    S3Response.put_object = locked  # type: ignore[method-assign]
+
+
 class MotoS3:
     """moto's S3 in server mode on 127.0.0.1 (a free port)."""
 
@@ -39,6 +61,7 @@ class MotoS3:
         from moto.server import ThreadedMotoServer
 
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+        _atomic_conditional_puts()
         self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self._server.start()
         host, port = self._server.get_host_and_port()

@@ -15,7 +15,7 @@ import pytest
 
 from trainckpt.errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
 from trainckpt.records import crc32c_bytes
-from trainckpt.storage import Storage, StorageOptions, resolve
+from trainckpt.storage import Storage, StorageOptions, Versioned, resolve
 
 
 def _local(request: pytest.FixtureRequest) -> tuple[Storage, str]:
@@ -110,6 +110,53 @@ def test_racing_create_only_writes_one_wins(backend: tuple[Storage, str]) -> Non
     assert outcomes.count("won") == 1, outcomes
     winner = outcomes.index("won")
     assert storage.read_bytes(loc) == f"writer {winner}".encode()
+
+
+@pytest.fixture(params=["gcs", "s3"])
+def object_store(request: pytest.FixtureRequest) -> tuple[Storage, str]:
+    """The back ends with compare-and-swap writes (claims on step prefixes need them)."""
+    return BACKENDS[request.param](request)
+
+
+def test_versioned_writes_are_compare_and_swap(object_store: tuple[Storage, str]) -> None:
+    storage, root = object_store
+    loc = storage.join(root, "step1", ".claim")
+    with pytest.raises(FileNotFoundError):
+        storage.read_versioned(loc)
+    v1 = storage.write_versioned(loc, b"one", version=None)
+    assert storage.read_versioned(loc) == Versioned(b"one", v1)
+    with pytest.raises(FileExistsError):
+        storage.write_versioned(loc, b"two", version=None)  # create-only: it exists
+    v2 = storage.write_versioned(loc, b"two", version=v1)
+    assert v2 != v1 and storage.read_versioned(loc) == Versioned(b"two", v2)
+    with pytest.raises(FileExistsError):
+        storage.write_versioned(loc, b"three", version=v1)  # v1 is stale
+    assert storage.read_versioned(loc) == Versioned(b"two", v2)
+    storage.delete_files([loc])
+    with pytest.raises(FileNotFoundError):
+        storage.write_versioned(loc, b"four", version=v2)  # gone
+
+
+def test_racing_compare_and_swap_writes_one_wins(object_store: tuple[Storage, str]) -> None:
+    """Eight writers replace the same version at once; exactly one gets through."""
+    storage, root = object_store
+    loc = storage.join(root, "race", ".claim")
+    for trial in range(3):
+        base = storage.write_versioned(loc, f"base {trial}".encode(), version=None)
+
+        def attempt(i: int, base: str = base, trial: int = trial) -> str:
+            try:
+                storage.write_versioned(loc, f"writer {trial}.{i}".encode(), version=base)
+                return "won"
+            except FileExistsError:
+                return "refused"
+
+        with ThreadPoolExecutor(8) as pool:
+            outcomes = list(pool.map(attempt, range(8)))
+        assert outcomes.count("won") == 1, outcomes
+        winner = outcomes.index("won")
+        assert storage.read_versioned(loc).data == f"writer {trial}.{winner}".encode()
+        storage.delete_files([loc])
 
 
 def test_upload_many_and_listings(backend: tuple[Storage, str], tmp_path: Path) -> None:

@@ -6,13 +6,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
-from .base import DEFAULT_OPTIONS, Listing, Storage, StorageOptions
+from .base import DEFAULT_OPTIONS, Listing, Storage, StorageOptions, Versioned
 from .local import LocalStorage
 
 __all__ = [
     "Listing",
     "Storage",
     "StorageOptions",
+    "Versioned",
     "LocalStorage",
     "storage_for",
     "resolve",

@@ -37,6 +37,15 @@ DEFAULT_OPTIONS = StorageOptions()
 
 
 @dataclass(frozen=True)
+class Versioned:
+    """A small file's bytes and the version the store gave them (a GCS generation, an S3
+    ETag): what a compare-and-swap write (`Storage.write_versioned`) must name."""
+
+    data: bytes
+    version: str
+
+
+@dataclass(frozen=True)
 class Listing:
     """Immediate children of a folder: sub-folder names and file names with sizes."""
 
@@ -117,7 +126,22 @@ class Storage(ABC):
 
     @abstractmethod
     def upload(self, local: Path, location: str, *, overwrite: bool = True) -> None:
-        """Copy a local file to `location`, durably, with the same rules as `write_bytes`."""
+        """Copy a local file to `location`, durably, with the same rules as `write_bytes`;
+        a create-only upload onto a file holding these very bytes (size and CRC32C) may count
+        as done (a retried request finding its own earlier attempt)."""
+
+    # -- compare-and-swap of small files (object stores: claims, `claim.py`) --------------------
+    def read_versioned(self, location: str) -> Versioned:
+        """A small file's bytes and version; `FileNotFoundError` when it does not exist."""
+        raise NotImplementedError(f"{type(self).__name__} has no versioned files")
+
+    def write_versioned(self, location: str, data: bytes, *, version: str | None) -> str:
+        """Write a small file only if it is still at `version` (None: only if it does not
+        exist), atomically on the store's side; return the new version. A file that changed
+        (or, with None, exists) raises `FileExistsError`; one that is gone `FileNotFoundError`.
+        `data` must differ from every earlier write of `location` (an S3 version is a hash of
+        the bytes), which also lets a retried request recognise its own lost success."""
+        raise NotImplementedError(f"{type(self).__name__} has no versioned files")
 
     def upload_many(self, pairs: list[tuple[Path, str]], *, overwrite: bool = True) -> None:
         """Upload several files (in parallel where the back end can); the first error raises."""

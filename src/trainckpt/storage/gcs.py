@@ -30,7 +30,7 @@ from google.cloud.storage.retry import DEFAULT_RETRY
 
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
 from ..records import FileEntry, crc32c_bytes, crc32c_file, crc32c_from_gcs, crc32c_to_gcs
-from .base import Listing, StorageOptions
+from .base import Listing, StorageOptions, Versioned
 from .remote import RemoteStorage
 
 if TYPE_CHECKING:
@@ -143,14 +143,68 @@ class GCSStorage(RemoteStorage):
 
     def upload(self, local: Path, location: str, *, overwrite: bool = True) -> None:
         entry = crc32c_file(local)
-        self._upload(
-            location,
-            entry,
-            overwrite,
-            lambda blob, **kw: blob.upload_from_filename(
-                str(local), content_type="application/octet-stream", **kw
-            ),
-        )
+        try:
+            self._upload(
+                location,
+                entry,
+                overwrite,
+                lambda blob, **kw: blob.upload_from_filename(
+                    str(local), content_type="application/octet-stream", **kw
+                ),
+            )
+        except CheckpointExistsError:
+            # The SDK retries create-only uploads too; one whose answer was lost finds its own
+            # object on the retry. The same bytes are as good as ours.
+            if overwrite or self._entry(location) != entry:
+                raise
+            log.info("'%s' already holds these bytes (a retried upload); keeping it", location)
+
+    def _entry(self, location: str) -> FileEntry | None:
+        """Size and CRC32C of an object as GCS reports them; None when it is gone."""
+        bucket, name = self.split(location)
+        with _gcs_errors("reading", location, self.options):
+            blob = self._bucket(bucket).get_blob(name, retry=self.retry, timeout=self.timeout)
+        if blob is None or not blob.crc32c:
+            return None
+        return FileEntry(size=int(blob.size or 0), crc32c=crc32c_from_gcs(blob.crc32c))
+
+    def read_versioned(self, location: str) -> Versioned:
+        bucket, name = self.split(location)
+        for _ in range(10):  # a newer generation can replace the one just looked up
+            with _gcs_errors("reading", location, self.options):
+                blob = self._bucket(bucket).get_blob(name, retry=self.retry, timeout=self.timeout)
+            if blob is None:
+                break
+            try:  # that exact generation: a newer one fails this read, never mixes with it
+                with _gcs_errors("reading", location, self.options):
+                    data = blob.download_as_bytes(
+                        if_generation_match=blob.generation,
+                        retry=self.retry,
+                        timeout=self.timeout,
+                    )
+            except (FileNotFoundError, FileExistsError):
+                continue
+            return Versioned(data=data, version=str(blob.generation))
+        raise CheckpointNotFoundError(f"'{location}' does not exist")
+
+    def write_versioned(self, location: str, data: bytes, *, version: str | None) -> str:
+        blob = self._blob(location)
+        with _gcs_errors("writing", location, self.options):
+            try:
+                blob.upload_from_string(
+                    data,
+                    content_type="application/octet-stream",
+                    if_generation_match=0 if version is None else int(version),
+                    retry=self.retry,
+                    timeout=self.timeout,
+                )
+                return str(blob.generation)
+            except api_exceptions.PreconditionFailed:
+                pass
+        current = self.read_versioned(location)  # FileNotFoundError: it is gone
+        if current.data == data:  # a retry that found its own write (`data` is unique)
+            return current.version
+        raise CheckpointExistsError(f"'{location}' was changed by another writer")
 
     def upload_many(self, pairs: list[tuple[Path, str]], *, overwrite: bool = True) -> None:
         self._in_parallel(lambda pair: self.upload(pair[0], pair[1], overwrite=overwrite), pairs)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
-from .base import Listing, StorageOptions
+from .base import Listing, StorageOptions, Versioned
 from .remote import RemoteStorage
 from .s3_errors import RangeNotSatisfiable, call_with_retries
 
@@ -197,31 +197,53 @@ class S3Storage(RemoteStorage):
         for local, location in large:
             self.upload(local, location, overwrite=overwrite)
 
-    def _put(self, location: str, source: bytes | Path, overwrite: bool) -> None:
+    def read_versioned(self, location: str) -> Versioned:
+        bucket, key = self._object(location)
+
+        def get() -> Versioned:
+            answer = self.client.get_object(Bucket=bucket, Key=key)
+            body = answer["Body"]
+            try:
+                data = cast(bytes, body.read())
+            finally:
+                body.close()
+            return Versioned(data=data, version=str(answer.get("ETag", "")).strip('"'))
+
+        return self._call("reading", location, get)
+
+    def write_versioned(self, location: str, data: bytes, *, version: str | None) -> str:
+        return self._put(location, data, overwrite=False, if_match=version)
+
+    def _put(
+        self, location: str, source: bytes | Path, overwrite: bool, if_match: str | None = None
+    ) -> str:
         """One `PutObject` of bytes or a local file, create-only (`If-None-Match: *`) unless
-        `overwrite`."""
+        `overwrite`, or only over the version `if_match` (`If-Match`); returns the ETag."""
         bucket, key = self._object(location)
         args: dict[str, Any] = {"Bucket": bucket, "Key": key}
-        if not overwrite:
+        if if_match is not None:
+            args["IfMatch"] = f'"{if_match}"'
+        elif not overwrite:
             args["IfNoneMatch"] = "*"
         attempts = 0
 
-        def put() -> None:
+        def put() -> str:
             nonlocal attempts
             attempts += 1
             if isinstance(source, bytes):
-                self.client.put_object(Body=source, **args)
-                return
-            with open(source, "rb") as f:  # reopened per attempt: a retry sends it all again
-                self.client.put_object(Body=f, **args)
+                answer = self.client.put_object(Body=source, **args)
+            else:
+                with open(source, "rb") as f:  # reopened per attempt: a retry sends it all again
+                    answer = self.client.put_object(Body=f, **args)
+            return str(answer.get("ETag", "")).strip('"')
 
         try:
-            self._call("writing", location, put)
+            return self._call("writing", location, put)
         except CheckpointExistsError:
             if attempts > 1 and self._etag(location) == _md5(source):
                 # An earlier attempt stored these very bytes but its answer was lost; the
                 # retry then found its own object.
-                return
+                return _md5(source)
             raise
 
     def _etag(self, location: str) -> str:
