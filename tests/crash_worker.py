@@ -29,6 +29,9 @@ from trainckpt.faults import ENV_VAR
 WIDTH = 384  # two Linear layers: ~0.3M parameters, ~3.5 MB per checkpoint with AdamW moments
 KEEP = 2  # committed checkpoints the run keeps; older ones are deleted after each save
 COLLECTIVE_TIMEOUT = 30.0  # seconds a rank waits for a dead peer in multi-rank runs
+CLAIM_LEASE = 2.0
+"""Object stores: lease of a run's claim on the step it saves, so a restarted run takes the
+step of a killed save over after 2 s instead of the default 30 s."""
 
 
 def new_module() -> ModelAndOptim:
@@ -108,6 +111,7 @@ def run(
         fs_timeout=20,
         retry_deadline=retry_deadline,
         collective_timeout=COLLECTIVE_TIMEOUT,
+        claim_lease=CLAIM_LEASE,
     ).build()
     module = new_module()
     start = 0
@@ -135,6 +139,76 @@ def run(
         prune(target, keep)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def save_once(
+    url: str,
+    work_dir: str,
+    steps: int,
+    threads: int,
+    env: dict[str, str],
+    go: Event,
+    results: Any,
+    lease: float = CLAIM_LEASE,
+    fault: str | None = None,
+    ready: Event | None = None,
+) -> None:
+    """Train `steps` steps, then save once to the checkpoint folder `url` with
+    `save_thread_count=threads` (the number of shard files), as soon as `go` is set. Puts
+    (steps, outcome, message) on `results`: outcome "committed" or the error's class name.
+    With `fault`, the fault point of that name kills this process during the save."""
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    module = new_module()
+    for step in range(1, steps + 1):
+        train_step(module, step)
+    ckpt = CheckpointerConfig(
+        work_dir=work_dir, save_thread_count=threads, retry_deadline=60, claim_lease=lease
+    ).build()
+    if fault is not None:
+        os.environ[ENV_VAR] = fault
+    if ready is not None:
+        ready.set()
+    go.wait(JOIN_TIMEOUT)
+    try:
+        results.put((steps, "committed", ckpt.save(url, module, trainer_state(steps))))
+    except Exception as e:
+        results.put((steps, type(e).__name__, str(e)))
+    finally:
+        ckpt.close()
+
+
+def delete_loop(
+    folder: str, kind: str, env: dict[str, str], stop: Event, results: Any, ready: Event | None
+) -> None:
+    """Another job's deletions beside a save, until `stop` is set: `trainckpt prune` rounds
+    (`kind="prune"`, keeping 1000 permanent checkpoints: only leftovers go) or retention
+    rounds (`kind="retention"`, `remove: all_non_permanent`). Puts the number of rounds run
+    on `results`."""
+    from trainckpt import CheckpointPolicy
+    from trainckpt.errors import CheckpointNotFoundError
+    from trainckpt.inventory import scan_folder
+    from trainckpt.prune import apply_prune, plan_prune
+    from trainckpt.retention import Remover
+
+    os.environ.update(env)
+    remover = Remover(folder, CheckpointPolicy(remove="all_non_permanent"))
+    rounds = 0
+    if ready is not None:
+        ready.set()
+    while not stop.wait(0.02):  # a pause between rounds: two cores shared with the save
+        if kind == "retention":
+            remover.run_round()
+        else:
+            try:
+                path, entries = scan_folder(folder)
+                plan = plan_prune(path, entries, keep_last=1000, keep_ephemeral=False)
+            except CheckpointNotFoundError:  # nothing committed yet: prune refuses
+                continue
+            apply_prune(plan, on_deleted=lambda entry: None)
+        rounds += 1
+    remover.close()
+    results.put(rounds)
 
 
 def _warm_up() -> None:
@@ -175,9 +249,11 @@ class Launcher:
                 os.environ["PYTHONPATH"] = old
         return cls(ctx)
 
-    def start(self, *args: Any, **kwargs: Any) -> tuple[BaseProcess, Event]:
+    def start(self, *args: Any, target: Any = run, **kwargs: Any) -> tuple[BaseProcess, Event]:
+        """Start `target` (a function of this module: `run` or `save_once`) in a new process;
+        returns it with the event it sets once ready."""
         ready = self.ctx.Event()
-        proc = self.ctx.Process(target=run, args=args, kwargs={**kwargs, "ready": ready})
+        proc = self.ctx.Process(target=target, args=args, kwargs={**kwargs, "ready": ready})
         proc.start()
         return proc, ready
 
@@ -187,24 +263,30 @@ def check_checkpoints(folder: str | Path, work_dir: str | Path | None = None) ->
     and loads exactly the values of `reference(step)` and `trainer_state(step)`. Returns the
     steps found. `work_dir` (the download cache for URLs) defaults to a folder next to
     `folder`."""
+    work = work_dir if work_dir is not None else Path(folder).parent / "check"
+    steps = []
+    for step, path in Checkpointer.find_checkpoints(folder):
+        check_checkpoint(path, step, work)
+        steps.append(step)
+    return steps
+
+
+def check_checkpoint(path: str, step: int, work_dir: str | Path) -> None:
+    """The checkpoint at `path` passes a deep verify and loads exactly the values a run holds
+    after `step` steps (`reference(step)`, `trainer_state(step)`)."""
     from models import assert_same_state  # tests/ is on sys.path in the parent
 
-    work = work_dir if work_dir is not None else Path(folder).parent / "check"
-    ckpt = CheckpointerConfig(work_dir=work).build()
-    steps = []
+    report = Checkpointer.verify(path, deep=True)
+    assert report.ok, str(report)
+    ckpt = CheckpointerConfig(work_dir=work_dir).build()
     try:
-        for step, path in Checkpointer.find_checkpoints(folder):
-            report = Checkpointer.verify(path, deep=True)
-            assert report.ok, str(report)
-            dst = _scrambled()
-            state = ckpt.load(path, dst)
-            assert state is not None and state["step"] == step, (path, state)
-            assert torch.equal(state["marker"], trainer_state(step)["marker"]), path
-            assert_same_state(reference(step), dst)
-            steps.append(step)
+        dst = _scrambled()
+        state = ckpt.load(path, dst)
+        assert state is not None and state["step"] == step, (path, state)
+        assert torch.equal(state["marker"], trainer_state(step)["marker"]), path
+        assert_same_state(reference(step), dst)
     finally:
         ckpt.close()
-    return steps
 
 
 def _scrambled() -> ModelAndOptim:

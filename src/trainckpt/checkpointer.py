@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from . import dist, exit_guard, finders, layout
+from .claim import DEFAULT_LEASE
 from .commit import OnFile, SaveRequest, is_committed, save_checkpoint
 from .direct import load_direct, loads_directly, save_direct, saves_directly
 from .errors import (
@@ -73,6 +74,7 @@ class Checkpointer:
     retry_deadline: float = 300.0
     verify_on_load: VerifyOnLoad = "size"
     exit_timeout: float = 300.0
+    claim_lease: float = DEFAULT_LEASE
 
     def __post_init__(self) -> None:
         self.work_dir = Path(self.work_dir)
@@ -355,6 +357,7 @@ class Checkpointer:
             work_dir=self.work_dir,
             upload_threads=self._storage_options.thread_count,
             upload_turns=run_in_turns(self.process_group) if self.throttle_uploads else None,
+            claim_lease=self.claim_lease,
         )
 
     def _write_fn(

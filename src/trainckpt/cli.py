@@ -165,13 +165,20 @@ def cmd_prune(args: argparse.Namespace) -> int:
     if args.dry_run:
         for e in plan.to_delete:
             print(f"would delete  {e.name:<16} {why[e.path]}")
-    else:
-        apply_prune(plan, on_deleted=lambda e: print(f"deleted       {e.name:<16} {why[e.path]}"))
-    n, size = len(plan.to_delete), human_size(plan.freed_bytes)
-    if args.dry_run:
+        n, size = len(plan.to_delete), human_size(plan.freed_bytes)
         print(f"dry run: would delete {n} folder(s), {size}; nothing was deleted")
-    else:
-        print(f"deleted {n} folder(s), {size}")
+        return EXIT_OK
+    deleted: list[FolderEntry] = []
+
+    def on_deleted(e: FolderEntry) -> None:
+        deleted.append(e)
+        print(f"deleted       {e.name:<16} {why[e.path]}")
+
+    def on_kept(e: FolderEntry) -> None:
+        print(f"keep          {e.name:<16} a save of this step is in progress")
+
+    apply_prune(plan, on_deleted, on_kept)
+    print(f"deleted {len(deleted)} folder(s), {human_size(sum(e.size for e in deleted))}")
     return EXIT_OK
 
 

@@ -1,8 +1,10 @@
 """The commit protocol (DESIGN §4): how a save becomes a checkpoint, or leaves nothing behind.
 
 One function per kind of target, each reading top to bottom. Both end the same way: rank 0
-writes `.manifest.json` and then `.metadata.json`; a folder without `.metadata.json` is never a
-checkpoint, whatever else it holds.
+writes `.manifest.json`, checks that every file it lists is there with its size, and writes
+`.metadata.json`; a folder without `.metadata.json` is never a checkpoint, whatever else it
+holds. On object stores a save first claims its step (`claim.py`), so two saves of one step
+never write into the same prefix.
 """
 
 from __future__ import annotations
@@ -17,10 +19,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import claim as claims
 from . import dist
-from .errors import CheckpointExistsError, CheckpointTimeoutError, SharedFolderError
+from .claim import Claim
+from .errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointTimeoutError,
+    CorruptCheckpointError,
+    SharedFolderError,
+)
 from .faults import fault_point
-from .layout import MANIFEST_FILE, METADATA_FILE, tmp_name
+from .layout import CLAIM_FILE, MANIFEST_FILE, METADATA_FILE, tmp_name
 from .records import CheckpointManifest, CheckpointMetadata, FileEntry
 from .storage import Storage
 from .storage.local import writing
@@ -52,6 +62,8 @@ class SaveRequest:
     """Parallel uploads of one rank to an object store."""
     upload_turns: Callable[[Callable[[], None]], None] | None = None
     """Runs a rank's uploads, possibly in turns with other ranks (`throttle_uploads`)."""
+    claim_lease: float = claims.DEFAULT_LEASE
+    """Object stores: lease of this save's claim on its step (`claim.py`)."""
 
 
 def save_checkpoint(req: SaveRequest, write: WriteFn) -> str:
@@ -66,6 +78,19 @@ def save_checkpoint(req: SaveRequest, write: WriteFn) -> str:
 
 def is_committed(storage: Storage, dir: str) -> bool:
     return storage.exists(storage.join(dir, METADATA_FILE))
+
+
+def delete_leftover(storage: Storage, dir: str) -> bool:
+    """Delete an uncommitted step folder (a leftover of an interrupted save), unless it turns
+    out to be a save in progress or got committed meanwhile; return whether it was deleted.
+    On object stores the deletion claims the step first (`claim.delete_uncommitted`).
+
+    Called on: the one process deleting (prune, retention).
+    """
+    if storage.atomic_rename:
+        storage.delete_tree(dir, first=[METADATA_FILE])
+        return True
+    return claims.delete_uncommitted(storage, dir)
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float) -> bool:
@@ -158,10 +183,7 @@ def _write_and_rename(req: SaveRequest, write: WriteFn, tmp: str, token: str) ->
 
 def _prepare_tmp(storage: Storage, dir: str, tmp: str, overwrite: bool) -> str:
     if is_committed(storage, dir) and not overwrite:
-        raise CheckpointExistsError(
-            f"'{dir}' is already a committed checkpoint; pass save_overwrite=True to replace "
-            "it, or save to another step"
-        )
+        raise _exists(dir)
     local_dir, local_tmp = storage.local_path(dir), storage.local_path(tmp)
     if local_dir.exists() and not is_committed(storage, dir):
         log.warning("removing '%s': an uncommitted leftover of an interrupted save", dir)
@@ -182,13 +204,35 @@ def _prepare_tmp(storage: Storage, dir: str, tmp: str, overwrite: bool) -> str:
 def _save_to_object_store(req: SaveRequest, write: WriteFn) -> str:
     storage, dir, group = req.storage, req.dir, req.group
 
-    # 1. Prepare (rank 0): refuse a committed target; clear an uncommitted prefix (a crashed
-    #    save of this step), or, with save_overwrite, the old checkpoint, commit record first.
-    dist.run_on_rank0(
-        lambda: _prepare_prefix(storage, dir, req.overwrite), f"preparing '{dir}'", group
-    )
+    # 1. Prepare (rank 0): refuse a committed target; claim the step (`claim.py`), so that no
+    #    other save writes into this prefix; then clear what a crashed save left there, or,
+    #    with save_overwrite, the old checkpoint, commit record first.
+    held: list[Claim] = []
+    dist.run_on_rank0(lambda: held.append(_prepare_prefix(req)), f"preparing '{dir}'", group)
+    claim = held[0] if held else None
+    try:
+        entries = _write_and_upload(req, write)
+        # 4. After every upload completed: rank 0 uploads the manifest, checks that it holds
+        #    the claim still and that every listed file is there, then the commit record.
+        parts = dist.all_gather_object(entries, group)
 
-    # 2. Every rank writes its files into its own staging folder on local disk.
+        def commit() -> None:
+            assert claim is not None
+            _write_records(req, dir, parts, attempt=claim.attempt, before_commit=claim.confirm)
+            claim.release()
+
+        dist.run_on_rank0(commit, f"committing '{dir}'", group)
+    except BaseException:
+        if claim is not None:
+            _abandon(storage, dir, claim)
+        raise
+    return dir
+
+
+def _write_and_upload(req: SaveRequest, write: WriteFn) -> dict[str, FileEntry]:
+    """Steps 2-3 of `_save_to_object_store`: every rank writes its files into a staging folder
+    and uploads them (create-only) into the claimed prefix. Called on: all ranks."""
+    storage, dir, group = req.storage, req.dir, req.group
     staging = req.work_dir / f"staging-{uuid.uuid4().hex[:12]}"
     staging.mkdir(parents=True)
     try:
@@ -213,7 +257,8 @@ def _save_to_object_store(req: SaveRequest, write: WriteFn) -> str:
                     assert req.upload_turns is not None
                     req.upload_turns(
                         lambda: storage.upload_many(
-                            [(staging / rel, storage.join(dir, rel)) for rel in entries]
+                            [(staging / rel, storage.join(dir, rel)) for rel in entries],
+                            overwrite=False,
                         )
                     )
             except Exception as e:
@@ -224,12 +269,7 @@ def _save_to_object_store(req: SaveRequest, write: WriteFn) -> str:
         dist.agree(error, f"uploading checkpoint files to '{dir}'", group)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-    # 4. After every upload completed: rank 0 uploads the manifest, then the commit record
-    #    (create-only unless save_overwrite, so two racing saves cannot both commit).
-    parts = dist.all_gather_object(entries, group)
-    dist.run_on_rank0(lambda: _write_records(req, dir, parts), f"committing '{dir}'", group)
-    return dir
+    return entries
 
 
 class _EarlyUploads:
@@ -247,7 +287,7 @@ class _EarlyUploads:
             if rel not in self._futures:
                 target = self.storage.join(self.dir, rel)
                 self._futures[rel] = self._pool.submit(
-                    self.storage.upload, self.staging / rel, target
+                    self.storage.upload, self.staging / rel, target, overwrite=False
                 )
 
     def finish(self, rels: list[str]) -> None:
@@ -263,17 +303,52 @@ class _EarlyUploads:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _prepare_prefix(storage: Storage, dir: str, overwrite: bool) -> None:
-    if is_committed(storage, dir):
-        if not overwrite:
-            raise CheckpointExistsError(
-                f"'{dir}' is already a committed checkpoint; pass save_overwrite=True to "
-                "replace it, or save to another step"
-            )
-        storage.delete_tree(dir, first=[METADATA_FILE])
-    elif storage.list_files(dir):
-        log.warning("removing '%s': an uncommitted leftover of an interrupted save", dir)
-        storage.delete_tree(dir)
+def _prepare_prefix(req: SaveRequest) -> Claim:
+    """Rank 0: refuse a committed target (unless save_overwrite), claim the step, clear the
+    prefix but for the claim, and start renewing the claim. Returns the claim."""
+    storage, dir = req.storage, req.dir
+    if is_committed(storage, dir) and not req.overwrite:
+        raise _exists(dir)
+    claim = claims.acquire(storage, dir, req.claim_lease)
+    try:
+        files = storage.list_files(dir)
+        if METADATA_FILE in files:  # committed, perhaps by a save that held the claim before
+            if not req.overwrite:
+                raise _exists(dir)
+            storage.delete_files([storage.join(dir, METADATA_FILE)])
+            log.warning("replacing the committed checkpoint '%s' (save_overwrite)", dir)
+        elif set(files) - {CLAIM_FILE}:
+            log.warning("removing '%s': an uncommitted leftover of an interrupted save", dir)
+        storage.delete_files(
+            storage.join(dir, rel) for rel in files if rel not in (CLAIM_FILE, METADATA_FILE)
+        )
+        claim.start_renewing()
+    except BaseException:
+        claim.release()
+        raise
+    return claim
+
+
+def _abandon(storage: Storage, dir: str, claim: Claim) -> None:
+    """Rank 0, after a failed save: remove what it uploaded and its claim, unless the claim
+    was lost (the prefix is another save's now) or the step got committed. Best effort."""
+    claim.stop()
+    if claim.lost:
+        return
+    try:
+        files = storage.list_files(dir)
+        if METADATA_FILE not in files:
+            storage.delete_files(storage.join(dir, rel) for rel in files if rel != CLAIM_FILE)
+    except CheckpointError as e:
+        log.warning("could not remove what the failed save uploaded to '%s': %s", dir, e)
+    claim.release()
+
+
+def _exists(dir: str) -> CheckpointExistsError:
+    return CheckpointExistsError(
+        f"'{dir}' is already a committed checkpoint; pass save_overwrite=True to replace it, "
+        "or save to another step"
+    )
 
 
 # -- shared steps --------------------------------------------------------------------------------
@@ -288,16 +363,57 @@ def _run_write(
         return {}, e
 
 
-def _write_records(req: SaveRequest, folder: str, parts: list[dict[str, FileEntry]]) -> None:
-    """Rank 0: `.manifest.json`, then `.metadata.json` — the commit — into `folder`."""
+def _write_records(
+    req: SaveRequest,
+    folder: str,
+    parts: list[dict[str, FileEntry]],
+    *,
+    attempt: str | None = None,
+    before_commit: Callable[[], None] | None = None,
+) -> None:
+    """Rank 0: `.manifest.json` (naming the save `attempt`, if any), a check that every file
+    it lists is in `folder` with its size (and nothing else is), `before_commit` (object
+    stores: confirm the claim), then `.metadata.json` — the commit."""
+    storage = req.storage
     manifest = CheckpointManifest.merge(
-        parts, step=req.step, world_size=dist.get_world_size(req.group)
+        parts, step=req.step, world_size=dist.get_world_size(req.group), attempt=attempt
     )
     fault_point("before-manifest")
-    req.storage.write_bytes(req.storage.join(folder, MANIFEST_FILE), manifest.to_json())
-    fault_point("before-commit-record")
-    req.storage.write_bytes(
-        req.storage.join(folder, METADATA_FILE),
-        CheckpointMetadata(ephemeral=req.ephemeral).to_json(),
-        overwrite=req.overwrite or req.storage.atomic_rename,
+    storage.write_bytes(
+        storage.join(folder, MANIFEST_FILE),
+        manifest.to_json(),
+        overwrite=storage.atomic_rename,  # object stores: create-only, like every object
     )
+    _check_complete(storage, folder, manifest)
+    if before_commit is not None:
+        before_commit()
+    fault_point("before-commit-record")
+    storage.write_bytes(
+        storage.join(folder, METADATA_FILE),
+        CheckpointMetadata(ephemeral=req.ephemeral).to_json(),
+        overwrite=req.overwrite or storage.atomic_rename,
+    )
+
+
+def _check_complete(storage: Storage, folder: str, manifest: CheckpointManifest) -> None:
+    """Every file `manifest` lists is in `folder` with its size, and no other file is (but
+    the records): what the commit record is about to vouch for. Called on: rank 0."""
+    listing = storage.list_files(folder)
+    problems = [
+        f"'{rel}' {'is missing' if rel not in listing else f'has {listing[rel]} bytes'}"
+        for rel, entry in manifest.files.items()
+        if listing.get(rel) != entry.size
+    ]
+    problems += [
+        f"'{rel}' is not in the manifest"
+        for rel in sorted(set(listing) - set(manifest.files))
+        if rel not in (MANIFEST_FILE, METADATA_FILE, CLAIM_FILE)
+    ]
+    if problems:
+        raise CorruptCheckpointError(
+            f"not committing '{folder}': its files changed during the save ("
+            + "; ".join(problems[:5])
+            + (f"; {len(problems) - 5} more" if len(problems) > 5 else "")
+            + "). Another process wrote or deleted objects there; nothing was committed, "
+            "save again"
+        )

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import dist
 from .checkpointer import Checkpointer, VerifyOnLoad
+from .claim import DEFAULT_LEASE, MAX_LEASE
 from .errors import ConfigurationError, settings_error
 
 
@@ -48,6 +49,12 @@ class CheckpointerConfig(BaseModel):
     that died during a save makes the others fail after at most this long."""
     retry_deadline: float = Field(default=300.0, gt=0)
     """Seconds a remote storage request may keep retrying transient errors."""
+    claim_lease: float = Field(default=DEFAULT_LEASE, gt=0, le=MAX_LEASE)
+    """Object stores: seconds a save's claim on its step stays live without renewal. Rank 0
+    renews it six times per period while the save runs; another save of the same step that
+    sees it renewed fails at once, and one that sees it unchanged for this long (its save
+    crashed) takes the step over. So a save after a crash waits up to this long; a save that
+    stalls for longer than this loses its step and fails instead of committing."""
     verify_on_load: VerifyOnLoad = "size"
     exit_timeout: float = Field(default=300.0, ge=0)
     """Seconds a process that ends (or gets SIGTERM, where the trainer has no handler of its

@@ -22,6 +22,10 @@ class CheckpointExistsError(CheckpointError, FileExistsError):
     """The target of a save is already a committed checkpoint (and `save_overwrite` is off)."""
 
 
+class ConcurrentSaveError(CheckpointExistsError):
+    """Another save (or a deletion) of the same step is in progress, or took the step over."""
+
+
 class CorruptCheckpointError(CheckpointError):
     """A checkpoint's files do not match its manifest, or a record cannot be parsed."""
 

@@ -12,8 +12,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .checkpointer import Checkpointer
+from .commit import delete_leftover
 from .errors import CheckpointNotFoundError, ConfigurationError
 from .inventory import FolderEntry
+from .storage import resolve
 
 
 @dataclass(frozen=True)
@@ -97,9 +99,20 @@ def _decide(
     return Decision(e, True, f"older than the newest {keep_last} permanent")
 
 
-def apply_prune(plan: PrunePlan, on_deleted: Callable[[FolderEntry], None]) -> None:
-    """Delete `plan.to_delete`, oldest first, each commit record first. Called on: one process
-    (never while a training run is saving into the folder: its `-tmp` would be deleted)."""
+def apply_prune(
+    plan: PrunePlan,
+    on_deleted: Callable[[FolderEntry], None],
+    on_kept: Callable[[FolderEntry], None] = lambda entry: None,
+) -> None:
+    """Delete `plan.to_delete`, oldest first, each commit record first. An uncommitted
+    leftover on an object store that a save in progress turns out to own (or that got
+    committed meanwhile) is kept and passed to `on_kept`. Called on: one process (never while
+    a training run is saving into a local folder: its `-tmp` would be deleted)."""
+    storage, _ = resolve(plan.folder)
     for entry in plan.to_delete:
-        Checkpointer.delete(entry.path)
+        if entry.state == "committed":
+            Checkpointer.delete(entry.path)
+        elif not delete_leftover(storage, entry.path):
+            on_kept(entry)
+            continue
         on_deleted(entry)

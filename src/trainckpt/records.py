@@ -88,10 +88,15 @@ class CheckpointManifest(BaseModel):
     step: int | None = None
     created_at: str = Field(default_factory=lambda: utc_now_iso())
     world_size: int = Field(default=1, ge=1)
+    attempt: str | None = None
+    """Object stores: the save attempt that wrote the checkpoint (the id its claim named)."""
     files: dict[str, FileEntry] = Field(default_factory=dict)
 
     def to_json(self) -> bytes:
-        return json.dumps(self.model_dump(), indent=1, sort_keys=True).encode()
+        raw = self.model_dump()
+        if raw["attempt"] is None:  # local saves: the manifest 0.1 wrote and reads
+            del raw["attempt"]
+        return json.dumps(raw, indent=1, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> CheckpointManifest:
@@ -115,12 +120,19 @@ class CheckpointManifest(BaseModel):
 
     @classmethod
     def merge(
-        cls, parts: Iterable[dict[str, FileEntry]], *, step: int | None, world_size: int
+        cls,
+        parts: Iterable[dict[str, FileEntry]],
+        *,
+        step: int | None,
+        world_size: int,
+        attempt: str | None = None,
     ) -> CheckpointManifest:
         files: dict[str, FileEntry] = {}
         for part in parts:
             files.update(part)
-        return cls(step=step, world_size=world_size, files=dict(sorted(files.items())))
+        return cls(
+            step=step, world_size=world_size, attempt=attempt, files=dict(sorted(files.items()))
+        )
 
 
 class RecordSource(Protocol):

@@ -17,7 +17,7 @@ from typing import Any
 
 from . import finders, layout
 from .checkpointer import Checkpointer
-from .commit import is_committed
+from .commit import delete_leftover, is_committed
 from .errors import CheckpointError
 from .policy import CheckpointInfo, CheckpointPolicy, Leftover
 from .records import read_manifest
@@ -152,10 +152,11 @@ class Remover:
             Checkpointer.delete(ckpt.path)
             self._cache.forget(ckpt.path)
             deleted.append(ckpt.path)
+        storage, _ = resolve(self.folder)
         for left in self.policy.leftovers_to_delete(state.leftovers, state.committed):
             log.info("checkpoint event: delete leftover '%s' of an interrupted save", left.path)
-            Checkpointer.delete(left.path)
-            deleted.append(left.path)
+            if delete_leftover(storage, left.path):
+                deleted.append(left.path)
         return deleted
 
     def wait(self) -> list[BaseException]:

@@ -19,6 +19,7 @@ import google_crc32c
 from . import dist
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .layout import (
+    CLAIM_FILE,
     DCP_METADATA_FILE,
     MANIFEST_FILE,
     METADATA_FILE,
@@ -35,6 +36,8 @@ Progress = Callable[[int], None]
 
 _CHUNK = 8 * 1024 * 1024
 _RECORDS = (METADATA_FILE, MANIFEST_FILE)
+_LEFT_BY_SAVES = (CLAIM_FILE,)
+"""Not part of a checkpoint, and harmless in one: a claim a crash after the commit left."""
 
 
 @dataclass
@@ -112,7 +115,7 @@ def verify_checkpoint(
             )
         else:
             to_hash.append((rel, entry))
-    for rel in sorted(set(listing) - set(manifest.files) - set(_RECORDS)):
+    for rel in sorted(set(listing) - set(manifest.files) - set(_RECORDS) - set(_LEFT_BY_SAVES)):
         report.problems.append(
             f"'{storage.join(path, rel)}' is not in the manifest (an unexpected file; "
             "remove it if it was added to the checkpoint after the save)"
