@@ -33,7 +33,7 @@ from crash_worker import (
 )
 from s3_server import _ENV as S3_ENV
 
-from trainckpt import CheckpointerConfig, ConcurrentSaveError
+from trainckpt import CheckpointerConfig, CheckpointExistsError, ConcurrentSaveError
 from trainckpt.claim import Claim, acquire
 from trainckpt.layout import CLAIM_FILE
 from trainckpt.storage import Storage, resolve
@@ -256,3 +256,23 @@ def test_deletions_beside_saves_never_remove_a_live_save(launcher, remote, tmp_p
         ckpt.close()
         assert finish(proc) == 0
     assert results.get(timeout=JOIN_TIMEOUT) > 0, "the deletion loop never ran a round"
+
+
+def test_claim_left_in_a_committed_checkpoint_is_harmless(remote, tmp_path):
+    """A crash between the commit record and the claim's deletion leaves the claim in a
+    committed checkpoint: verify ignores it, it loads, and another save of the step is refused
+    as committed."""
+    bucket, _ = remote
+    url = f"{bucket}/run/step1"
+    ckpt = CheckpointerConfig(work_dir=tmp_path / "work", claim_lease=CLAIM_LEASE).build()
+    module = new_module()
+    train_step(module, 1)
+    try:
+        ckpt.save(url, module, trainer_state(1))
+        storage, path = resolve(url)
+        acquire(storage, path, lease=CLAIM_LEASE)  # never renewed nor released: a crash
+        check_checkpoint(url, 1, tmp_path / "check")
+        with pytest.raises(CheckpointExistsError, match="already a committed checkpoint"):
+            ckpt.save(url, module, trainer_state(1))
+    finally:
+        ckpt.close()

@@ -140,13 +140,23 @@ def acquire(storage: Storage, dir: str, lease: float, purpose: str = "save") -> 
         try:
             version = storage.write_versioned(where, mine, version=None)
             return Claim(storage, dir, attempt, lease, purpose, version)
-        except FileExistsError:
+        except (FileExistsError, FileNotFoundError):  # (not found: there, then gone)
             pass
         try:
             seen = storage.read_versioned(where)
         except FileNotFoundError:
             continue
         theirs = _parse(seen.data)
+        log.info(
+            "'%s' is claimed by %s attempt %s on %s: watching the claim for up to %.1fs to "
+            "tell a live %s from a crashed one",
+            dir,
+            theirs["purpose"],
+            theirs["attempt"],
+            theirs["holder"],
+            theirs["lease"],
+            theirs["purpose"],
+        )
         outcome = _watch(storage, where, seen, theirs["lease"])
         if outcome == "gone":
             continue

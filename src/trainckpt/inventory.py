@@ -108,6 +108,8 @@ def _describe_entry(storage: Storage, path: str, name: str, step: int, tmp: bool
             damaged.append(f"unreadable manifest: {e}")
     elif committed:
         notes.append("no manifest (unverifiable)")
+    if layout.CLAIM_FILE in files and not committed:
+        notes.append("claimed: a save in progress, or a crashed one the next save takes over")
     if damaged and state == "committed":
         state = "damaged"
     notes = damaged + notes
