@@ -147,8 +147,9 @@ class RecordSource(Protocol):
 def read_record_bytes(storage: RecordSource, where: str, limit: int) -> bytes:
     """The bytes of the record file `where`, refused when larger than `limit`.
 
-    One read of at most `limit + 1` bytes (a ranged request on object stores), so a huge or
-    growing file never reaches memory. A missing file raises the storage's
+    One read of at most `limit + 1` bytes (a ranged request on object stores and HTTP), so a
+    huge or growing file never reaches memory (except from an HTTP server that ignores
+    `Range`, whose whole answer `HTTPStorage` receives). A missing file raises the storage's
     `FileNotFoundError` (`CheckpointNotFoundError`)."""
     data = storage.read_bytes(where, 0, limit + 1)
     if len(data) > limit:
