@@ -59,7 +59,10 @@ from servers import StaticHTTPServer
 from trainckpt import CheckpointerConfig, UnsafeCheckpointError
 from trainckpt.cli import main as cli_main
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+    pytest.mark.filterwarnings("ignore:Detected pickle protocol"),  # torch on protocol-4 payloads
+]
 
 DCP_FS = "torch.distributed.checkpoint.filesystem"  # imports os: `os.system` is a dotted walk
 DCP_MD = "torch.distributed.checkpoint.metadata"
