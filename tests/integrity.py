@@ -38,6 +38,14 @@ def truncate(path: Path, keep: int | None = None) -> None:
     path.write_bytes(data[: len(data) // 2 if keep is None else keep])
 
 
+def split_item_record(shard: Path) -> tuple[bytes, dict]:
+    """A shard file's items (DCP's bytes) and its trainckpt item record (parsed)."""
+    data = shard.read_bytes()
+    assert data[-8:] == b"TCKPTIR1", f"{shard} has no item record"
+    length = int.from_bytes(data[-16:-8], "little")
+    return data[: -16 - length], json.loads(data[-16 - length : -16])
+
+
 def read_manifest(ckpt: Path) -> dict:
     return json.loads((ckpt / ".manifest.json").read_text())
 

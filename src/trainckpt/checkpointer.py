@@ -25,7 +25,7 @@ from .errors import (
 )
 from .faults import fault_point
 from .futures import CallbacksFirstFuture
-from .records import CheckpointMetadata, FileEntry, crc32c_bytes, crc32c_file
+from .records import CheckpointManifest, CheckpointMetadata, FileEntry, crc32c_bytes, crc32c_file
 from .staging import Stager, StreamMark
 from .storage import LocalStorage, Storage, StorageOptions, resolve
 from .train_module import TrainModule
@@ -35,6 +35,7 @@ from .verify import (
     Progress,
     VerifyReport,
     check_before_load,
+    check_loaded_file,
     verify_checkpoint,
 )
 
@@ -463,12 +464,12 @@ class Checkpointer:
         start = time.perf_counter()
         storage, path = resolve(dir, self._storage_options)
         folder = finders.dcp_folder(storage, path)
-        check_before_load(storage, path, self.verify_on_load, self.process_group)
+        manifest = check_before_load(storage, path, self.verify_on_load, self.process_group)
 
         trainer_state = None
         if load_trainer_state is not False:
             trainer_state = self._load_trainer_state(
-                storage, path, required=bool(load_trainer_state)
+                storage, path, manifest, required=bool(load_trainer_state)
             )
 
         if load_optim_state is None and layout.parse_step(storage.name(path)) == 0:
@@ -476,7 +477,14 @@ class Checkpointer:
             load_optim_state = False
         from .dcp import read_dcp_metadata  # imported on first use: slow to import
 
-        metadata = read_dcp_metadata(storage, folder)  # refuses unsafe metadata, direct API too
+        md_rel = (
+            layout.DCP_METADATA_FILE
+            if folder == path
+            else f"{storage.name(folder)}/{layout.DCP_METADATA_FILE}"
+        )
+        metadata = read_dcp_metadata(  # refuses unsafe or misplaced metadata, direct API too
+            storage, folder, check=lambda data, at: check_loaded_file(manifest, md_rel, data, at)
+        )
         if loads_directly(train_module):
             if reset_optimizer_states_on_load is None and trainer_state is not None:
                 reset_optimizer_states_on_load = getattr(
@@ -531,20 +539,23 @@ class Checkpointer:
             group=self.process_group,
             download_to=self.work_dir / "download-cache" if self.pre_download else None,
             thread_count=self.load_thread_count or _default_threads(),
+            check_items=self.verify_on_load != "none",
         )
         train_module.load_state_dict(state)
         return trainer_state
 
-    def _load_trainer_state(self, storage: Storage, path: str, *, required: bool) -> dict | None:
+    def _load_trainer_state(
+        self, storage: Storage, path: str, manifest: CheckpointManifest | None, *, required: bool
+    ) -> dict | None:
         """This rank's trainer state; rank 0's when the checkpoint was saved by another number
         of ranks (per-rank state such as data positions does not carry over rank by rank)."""
         rank, world = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
         own = storage.join(path, layout.trainer_state_file(rank))
         rank0 = storage.join(path, layout.trainer_state_file(0))
         saved_world = finders.saved_world_size(storage, path)
-        candidates = [own, rank0]
+        candidates = [(own, rank), (rank0, 0)]
         if saved_world is not None and saved_world != world:
-            candidates = [rank0]
+            candidates = [(rank0, 0)]
             log.warning(
                 "'%s' was saved by %d ranks and is loaded by %d: every rank gets rank 0's "
                 "trainer state '%s'",
@@ -553,11 +564,12 @@ class Checkpointer:
                 world,
                 rank0,
             )
-        for candidate in candidates:
+        for candidate, of_rank in candidates:
             try:
                 data = storage.read_bytes(candidate)
             except FileNotFoundError:
                 continue
+            check_loaded_file(manifest, layout.trainer_state_file(of_rank), data, candidate)
             if candidate != own and saved_world is None:
                 log.warning(
                     "'%s' not found (the checkpoint was saved with another world size); "

@@ -100,7 +100,8 @@ def crc32c_extend(crc: int, view: memoryview) -> int:
 
 
 class ChecksummedWriter:
-    """Write-only, sequential file object (`write`, `tell`, `flush`) that tracks CRC32C and size.
+    """Write-only, sequential file object (`write`, `tell`, `flush`) that tracks CRC32C and size,
+    of the whole file and of the part written since `start_part()`.
 
     Enough of a file for `torch.save` and DCP's item writer. Not thread-safe: one writer thread
     per file.
@@ -110,6 +111,8 @@ class ChecksummedWriter:
         self._f = f
         self._crc = 0
         self._size = 0
+        self._part_crc = 0
+        self._part_start = 0
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
@@ -117,6 +120,7 @@ class ChecksummedWriter:
         for start in range(0, n, _CHUNK):
             chunk = view[start : start + _CHUNK]
             self._crc = crc32c_extend(self._crc, chunk)
+            self._part_crc = crc32c_extend(self._part_crc, chunk)
             written = 0
             while written < len(chunk):  # a large write to a regular file may be partial
                 written += self._f.write(chunk[written:])
@@ -134,6 +138,14 @@ class ChecksummedWriter:
 
     def seekable(self) -> bool:
         return False
+
+    def start_part(self) -> None:
+        """Start a new part (a DCP item): `part()` then covers what is written from here."""
+        self._part_crc, self._part_start = 0, self._size
+
+    def part(self) -> tuple[int, int, int]:
+        """Offset, length and CRC32C of the part written since `start_part()`."""
+        return self._part_start, self._size - self._part_start, self._part_crc
 
     def entry(self) -> FileEntry:
         """Size and CRC32C of everything written so far."""

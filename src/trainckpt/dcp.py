@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import logging
 import warnings
 from collections.abc import Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +31,7 @@ from torch.distributed.checkpoint.planner import (
     ReadItem,
 )
 
-from . import dist
+from . import dist, item_record
 from .errors import CheckpointError, CorruptCheckpointError, StorageError
 from .layout import DCP_METADATA_FILE
 from .records import MAX_DCP_METADATA_BYTES, FileEntry, crc32c_file, read_record_bytes
@@ -39,6 +40,8 @@ from .shard_reader import ParallelReader
 from .shard_writer import RecordingWriter
 from .storage import Storage
 from .storage.ranged import RangeReader
+
+log = logging.getLogger(__name__)
 
 # -- saving ------------------------------------------------------------------------------------
 
@@ -122,10 +125,15 @@ class _StorageFS(FileSystemBase):
         return True
 
 
-def read_dcp_metadata(storage: Storage, folder: str) -> Metadata:
-    """DCP's `.metadata` of `folder`, read safely."""
+def read_dcp_metadata(
+    storage: Storage, folder: str, check: Callable[[bytes, str], None] | None = None
+) -> Metadata:
+    """DCP's `.metadata` of `folder`, read safely; `check(data, where)` may refuse its bytes
+    first (e.g. against the manifest)."""
     where = storage.join(folder, DCP_METADATA_FILE)
     data = read_record_bytes(storage, where, MAX_DCP_METADATA_BYTES)
+    if check is not None:
+        check(data, where)
     md = load_dcp_metadata(data, where)
     if not isinstance(md, Metadata):
         raise CorruptCheckpointError(f"{where} does not hold DCP metadata")
@@ -143,8 +151,10 @@ class _SafeReader(ParallelReader):
         metadata: Metadata,
         download_to: Path | None = None,
         thread_count: int = 4,
+        check_items: bool = True,
     ) -> None:
-        super().__init__(folder, thread_count)
+        save_id = _save_id(metadata, folder) if check_items else None
+        super().__init__(folder, thread_count, save_id)
         self.fs = _StorageFS(storage)
         self.path = folder
         self._metadata = metadata
@@ -179,6 +189,20 @@ class _SafeReader(ParallelReader):
         return md
 
 
+def _save_id(metadata: Metadata, folder: str) -> str | None:
+    """The id of the save that wrote `folder`, if its shards carry item records; else None
+    (written by OLMo-core, plain DCP or trainckpt 0.1: not checked item by item)."""
+    save_id = getattr(metadata.storage_meta, "save_id", None)
+    if isinstance(save_id, str) and save_id.startswith(item_record.SAVE_ID_PREFIX):
+        return save_id
+    log.info(
+        "'%s' has no item records (written by OLMo-core, plain DCP or trainckpt 0.1): its "
+        "shards are loaded without checking each item's CRC32C",
+        folder,
+    )
+    return None
+
+
 class _SafeLoadPlanner(DefaultLoadPlanner):
     """Loads non-tensor values with `safe_unpickle.load_torch_plain` (PyTorch's `weights_only`
     loader plus plain numpy values); `folder` names the checkpoint in its errors."""
@@ -205,9 +229,12 @@ def load_state(
     group: dist.ProcessGroup | None,
     download_to: Path | None = None,
     thread_count: int = 4,
+    check_items: bool = True,
 ) -> None:
     """Fill `state` in place from the DCP folder `folder`. With `download_to`, the shard files
     this rank needs are first downloaded there (`pre_download`), on `thread_count` threads.
+    With `check_items`, each shard must name itself and the save in `metadata`, and each item
+    loaded must have the CRC32C it was written with (`CorruptCheckpointError` naming the file).
 
     Called on: all ranks (DCP plans collectively).
     """
@@ -215,7 +242,9 @@ def load_state(
     with _quiet_single_process(), plain_errors(what, CheckpointError):
         dcp.load(
             state,
-            storage_reader=_SafeReader(storage, folder, metadata, download_to, thread_count),
+            storage_reader=_SafeReader(
+                storage, folder, metadata, download_to, thread_count, check_items
+            ),
             planner=_SafeLoadPlanner(folder),
             process_group=group,
             no_dist=not dist.is_distributed(),

@@ -5,6 +5,11 @@ calling thread: the disk waits while a tensor is deserialized and copied, and th
 while the disk reads. Here the items are split into contiguous runs of about equal size, one per
 thread, each thread with its own file handles; reading, `torch.load(weights_only=True)` and the
 copy into the target release the GIL. The planner is only called under a lock.
+
+Given the id of the save that wrote the checkpoint (`save_id`, from `.metadata`), every shard
+file this rank reads has its item record read and checked first (it must name that file and that
+save), before any item is loaded; then each item's bytes are checked against their recorded
+CRC32C once in memory, before they are deserialized (`item_record`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemRe
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from . import item_record
+
 
 class ParallelReader(FileSystemReader):
     """DCP's file reader with `thread_count` reading threads; same files, same results."""
@@ -29,9 +36,11 @@ class ParallelReader(FileSystemReader):
     # Any of DCP's file systems (DCP declares the local one): ours serves remote storage too.
     fs: FileSystemBase  # type: ignore[assignment]
 
-    def __init__(self, path: Any, thread_count: int = 4) -> None:
+    def __init__(self, path: Any, thread_count: int = 4, save_id: str | None = None) -> None:
+        """With `save_id`, every shard's item record and every item's CRC32C are checked."""
         super().__init__(path)
         self.thread_count = max(1, thread_count)
+        self.save_id = save_id
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         def where(req: ReadItem) -> tuple[str, int]:
@@ -39,32 +48,70 @@ class ParallelReader(FileSystemReader):
             return info.relative_path, info.offset
 
         items = sorted(plan.items, key=where)
+        records = self._records(sorted({where(i)[0] for i in items}))
         runs = _split_runs(
             items, self.thread_count, lambda r: self.storage_data[r.storage_index].length
         )
         lock = threading.Lock()
-        if len(runs) <= 1:
-            for run in runs:
-                self._read_run(run, planner, lock)
-        else:
-            with ThreadPoolExecutor(len(runs), thread_name_prefix="trainckpt-read") as pool:
-                for future in [pool.submit(self._read_run, run, planner, lock) for run in runs]:
-                    future.result()  # raises the first failure
+        self._run_all(lambda run: self._read_run(run, planner, lock, records), runs)
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
-    def _read_run(self, reqs: list[ReadItem], planner: LoadPlanner, lock: threading.Lock) -> None:
+    def _run_all(self, fn: Callable[[Any], None], work: list[Any]) -> None:
+        """`fn` on each piece of `work`, on up to `thread_count` threads; the first error raises."""
+        if len(work) <= 1 or self.thread_count == 1:
+            for piece in work:
+                fn(piece)
+            return
+        threads = min(self.thread_count, len(work))
+        with ThreadPoolExecutor(threads, thread_name_prefix="trainckpt-read") as pool:
+            for future in [pool.submit(fn, piece) for piece in work]:
+                future.result()
+
+    def _records(self, names: list[str]) -> dict[str, item_record.ItemRecord]:
+        """The item record of each shard file `names`, each checked to name that file and this
+        save; none without a `save_id`. Read before any item, so a misplaced file stops the
+        load before any tensor reaches the model."""
+        records: dict[str, item_record.ItemRecord] = {}
+        if self.save_id is None:
+            return records
+        save_id = self.save_id
+
+        def read(name: str) -> None:
+            path = str(self.fs.concat_path(self.path, name))
+            with self.fs.create_stream(path, "rb") as stream:
+                record = item_record.read(stream, path)
+            record.check_identity(path, name, save_id)
+            records[name] = record
+
+        self._run_all(read, names)
+        return records
+
+    def _read_run(
+        self,
+        reqs: list[ReadItem],
+        planner: LoadPlanner,
+        lock: threading.Lock,
+        records: dict[str, item_record.ItemRecord],
+    ) -> None:
+        buffer = _ItemBuffer()
         with ExitStack() as stack:
-            streams: dict[str, Any] = {}
+            streams: dict[str, tuple[Any, str]] = {}
             for req in reqs:
                 info = self.storage_data[req.storage_index]
-                stream = streams.get(info.relative_path)
-                if stream is None:
-                    path = self.fs.concat_path(self.path, info.relative_path)
+                if info.relative_path not in streams:
+                    path = str(self.fs.concat_path(self.path, info.relative_path))
                     stream = stack.enter_context(self.fs.create_stream(path, "rb"))
-                    streams[info.relative_path] = stream
-                self._read_item(req, self._slice_file(stream, info), planner, lock)
+                    streams[info.relative_path] = (stream, path)
+                stream, path = streams[info.relative_path]
+                file_slice = self._slice_file(stream, info)
+                record = records.get(info.relative_path)
+                if record is not None:
+                    data = buffer.read(file_slice, info.length)
+                    record.check_item(path, info.offset, data, f"item '{req.storage_index.fqn}'")
+                    file_slice = _MemoryReader(data)  # type: ignore[assignment]
+                self._read_item(req, file_slice, planner, lock)
 
     def _read_item(
         self, req: ReadItem, file_slice: IO[bytes], planner: LoadPlanner, lock: threading.Lock
@@ -91,6 +138,55 @@ class ParallelReader(FileSystemReader):
         target.copy_(tensor)
         with lock:
             planner.commit_tensor(req, target)
+
+
+class _ItemBuffer:
+    """One reading thread's memory for the item being checked, reused from item to item (a
+    fresh allocation per item would cost as much again as reading it: page faults)."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def read(self, file_slice: IO[bytes], length: int) -> bytes | memoryview:
+        """The `length` bytes of `file_slice`: remote ranged reads are in memory already."""
+        if isinstance(file_slice, io.BytesIO):
+            return file_slice.getvalue()  # no copy: an untouched BytesIO made from bytes
+        if len(self._buf) < length:
+            self._buf = bytearray(length)
+        view = memoryview(self._buf)[:length]
+        got = 0
+        while got < length and (n := file_slice.readinto(view[got:])):  # type: ignore[attr-defined]
+            got += n
+        return view[:got]
+
+
+class _MemoryReader(io.RawIOBase):
+    """A seekable file over bytes in memory, without copying them (`io.BytesIO` would)."""
+
+    def __init__(self, data: bytes | memoryview) -> None:
+        super().__init__()
+        self._data = memoryview(data)
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._data)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(0, min(len(buffer), len(self._data) - self._pos))
+        buffer[:n] = self._data[self._pos : self._pos + n]
+        self._pos += n
+        return n
 
 
 def _split_runs(

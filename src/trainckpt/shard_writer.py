@@ -11,11 +11,17 @@ own `FileSystemWriter` is how they are written:
   (`checksummed_file`);
 - no copy of a tensor unless it is a view into a larger storage (`torch.save` would otherwise
   write the whole storage) or lives off the CPU;
-- empty shard files are not created.
+- empty shard files are not created;
+- each shard file ends with an item record (`item_record`): its own name, the save's id and
+  the CRC32C of every item, computed from the bytes as they are written; the save id also goes
+  into `.metadata` (`storage_meta.save_id`), so the reader can tell a misplaced or damaged
+  shard without reading anything it would not read anyway. DCP's readers never read past the
+  last item, so they are not affected.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,17 +32,27 @@ from torch.distributed.checkpoint.filesystem import (
     DEFAULT_SUFFIX,
     FileSystemWriter,
     _split_by_size_and_type,
+    _StoragePrefix,
     _write_item,
 )
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from . import item_record
 from .checksummed_file import checksummed_file
 from .layout import DCP_METADATA_FILE
 from .records import FileEntry
 from .storage.local import writing
+
+
+@dataclasses.dataclass
+class _SavePrefix(_StoragePrefix):
+    """DCP's per-rank file prefix plus the id of this save, chosen by the coordinator and sent
+    to every rank with its plan (only between the ranks of this save; never stored)."""
+
+    save_id: str = ""
 
 
 class RecordingWriter(FileSystemWriter):
@@ -66,12 +82,25 @@ class RecordingWriter(FileSystemWriter):
         with writing(Path(self.path)):
             return super().prepare_local_plan(plan)
 
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Coordinator: DCP's file prefixes, plus one new save id for every rank."""
+        self.save_id = item_record.new_save_id()
+        return [
+            dataclasses.replace(
+                p, storage_data=_SavePrefix(p.storage_data.prefix, save_id=self.save_id)
+            )
+            for p in super().prepare_global_plan(plans)
+        ]
+
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """DCP's own step (rank 0 writes `.metadata`), with write errors naming the file."""
+        """Coordinator: DCP's own step (writes `.metadata`, with the save id recorded in it),
+        with write errors naming the file."""
+        metadata.storage_meta = StorageMeta(save_id=self.save_id)
         with writing(Path(self.path) / DCP_METADATA_FILE):
             super().finish(metadata, results)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self.save_id = plan.storage_data.save_id
         prefix = plan.storage_data.prefix
         buckets = [b for b in _split_by_size_and_type(self.thread_count, plan.items) if b]
         names = [f"{prefix}{i}{DEFAULT_SUFFIX}" for i in range(len(buckets))]
@@ -94,16 +123,21 @@ class RecordingWriter(FileSystemWriter):
     def _write_file(
         self, name: str, items: list[WriteItem], planner: SavePlanner
     ) -> tuple[FileEntry, list[WriteResult]]:
-        """Write one shard file (byte items first, then tensors, as DCP does), fsynced."""
+        """Write one shard file (byte items first, then tensors, as DCP does), then its item
+        record; fsynced."""
         ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
         ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
         results = []
+        parts = []
         with checksummed_file(Path(self.path) / name, fsync=self.sync_files) as out:
             for item in ordered:
                 data = _resolve(planner, item)
+                out.start_part()
                 results.append(
                     _write_item(self.transforms, out, data, item, name, self.serialization_format)  # type: ignore[arg-type]
                 )
+                parts.append(out.part())
+            out.write(item_record.encode(name, self.save_id, parts))
         if self.on_file is not None:
             self.on_file(name)
         return out.entry(), results

@@ -26,7 +26,7 @@ from .layout import (
     dcp_dirname,
     is_safe_relpath,
 )
-from .records import CheckpointManifest, FileEntry, read_manifest, read_metadata
+from .records import CheckpointManifest, FileEntry, crc32c_bytes, read_manifest, read_metadata
 from .storage import Storage
 
 log = logging.getLogger(__name__)
@@ -246,10 +246,30 @@ def _crc32c(storage: Storage, where: str, progress: Progress) -> tuple[str, int]
     return crc.digest().hex(), size
 
 
+def check_loaded_file(
+    manifest: CheckpointManifest | None, rel: str, data: bytes, where: str
+) -> None:
+    """Raise `CorruptCheckpointError` unless `data`, the file `rel` read whole for loading (trainer
+    state, DCP's `.metadata`), has the size and CRC32C in `manifest`: a same-size file swapped
+    in is caught without another read. Nothing to check without a manifest (or entry)."""
+    entry = None if manifest is None else manifest.files.get(rel)
+    if entry is None:
+        return
+    crc = crc32c_bytes(data)
+    if (len(data), crc) != (entry.size, entry.crc32c):
+        raise CorruptCheckpointError(
+            f"'{where}' is not the file this checkpoint was saved with: CRC32C {crc} over "
+            f"{len(data)} bytes, the manifest says {entry.crc32c} over {entry.size} (swapped, "
+            "copied in from another checkpoint or damaged); load an older checkpoint "
+            "(Checkpointer.find_latest_good) or restore this one from a copy"
+        )
+
+
 def check_before_load(
     storage: Storage, path: str, level: str, group: dist.ProcessGroup | None
-) -> None:
-    """Refuse to load a checkpoint whose files do not match its manifest.
+) -> CheckpointManifest | None:
+    """Refuse to load a checkpoint whose files do not match its manifest; return the manifest
+    (None at level `none`, or when there is none) for the checks made while loading.
 
     `size`: rank 0 compares one listing with the manifest and tells every rank the outcome.
     `full`: after that, every rank recomputes the CRC32C of its share of the files and all
@@ -257,16 +277,16 @@ def check_before_load(
     Called on: all ranks.
     """
     if level == "none":
-        return
+        return None
     report = dist.run_on_rank0(
         lambda: verify_checkpoint(storage, path), f"checking '{path}' before loading", group
     )
     report.raise_if_bad()
     if report.unverifiable:
         log.info("'%s' has no %s; loading it without checking its files", path, MANIFEST_FILE)
-        return
+        return None
     if level != "full":
-        return
+        return report.manifest
     assert report.manifest is not None  # a readable manifest, or the report had a problem
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     mine = sorted(report.manifest.files.items())[rank::world]
@@ -279,3 +299,4 @@ def check_before_load(
     dist.agree(error, f"checking the CRC32C of the files of '{path}'", group)
     everyone = [p for part in dist.all_gather_object(problems, group) for p in part]
     VerifyReport(path=path, deep=True, problems=sorted(everyone)).raise_if_bad()
+    return report.manifest

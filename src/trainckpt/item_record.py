@@ -1,0 +1,134 @@
+"""The item record at the end of each DCP shard file trainckpt writes: which file it is, which
+save wrote it, and the CRC32C of every item in it.
+
+A shard file is a run of `torch.save`d items at offsets that DCP's `.metadata` records; readers
+(plain DCP, OLMo-core, ours) read only those byte ranges, so a record appended after the last
+item changes nothing for them. Layout: JSON `{"file", "save_id", "items": [[offset, length,
+crc32c], ...]}`, then its length (8 bytes, little-endian), then `MAGIC`.
+
+The save id is chosen once per save by DCP's coordinator and also written into `.metadata`
+(`storage_meta.save_id`). The reader checks, at no extra read of the data, that each shard file
+names itself and this save (a file swapped within a checkpoint, or copied in from another, is
+caught when opened) and that the bytes of each item it loads have the recorded CRC32C.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from .checksummed_file import crc32c_extend
+from .errors import CorruptCheckpointError
+
+MAGIC = b"TCKPTIR1"
+SAVE_ID_PREFIX = "trainckpt-items-1:"
+"""`.metadata`'s `storage_meta.save_id` starts with this when every shard has an item record."""
+
+_FOOTER = struct.Struct("<Q8s")
+_TAIL = 64 * 1024  # one read fetches the whole record of a shard with up to ~2,000 items
+_MAX_RECORD = 256 * 1024 * 1024
+_CHUNK = 8 << 20
+
+_REDO = "load an older checkpoint (Checkpointer.find_latest_good) or restore this one from a copy"
+
+
+def new_save_id() -> str:
+    return SAVE_ID_PREFIX + uuid.uuid4().hex
+
+
+def encode(file: str, save_id: str, items: list[tuple[int, int, int]]) -> bytes:
+    """The record of shard `file` of save `save_id` holding `items` (offset, length, crc32c)."""
+    rows = [[offset, length, f"{crc:08x}"] for offset, length, crc in items]
+    body = json.dumps({"file": file, "save_id": save_id, "items": rows}).encode()
+    return body + _FOOTER.pack(len(body), MAGIC)
+
+
+@dataclass(frozen=True)
+class ItemRecord:
+    file: str
+    save_id: str
+    items: dict[int, tuple[int, int]]
+    """offset -> (length, crc32c)."""
+
+    def check_identity(self, where: str, file: str, save_id: str) -> None:
+        """Raise unless this record names shard `file` of save `save_id`."""
+        if (self.file, self.save_id) != (file, save_id):
+            raise CorruptCheckpointError(
+                f"'{where}' is not the file this checkpoint's DCP metadata expects there: it "
+                f"holds '{self.file}' of save {self.save_id}, not '{file}' of save {save_id} "
+                f"(shard files were swapped, or copied in from another checkpoint); {_REDO}"
+            )
+
+    def check_item(self, where: str, offset: int, data: bytes | memoryview, what: str) -> None:
+        """Raise unless `data`, read at `offset`, is the item the record lists there."""
+        length, crc = self.items.get(offset, (-1, -1))
+        if length != len(data):
+            raise CorruptCheckpointError(
+                f"'{where}' has no item of {len(data)} bytes at offset {offset} ({what}) in its "
+                f"item record; the file does not match the checkpoint's DCP metadata; {_REDO}"
+            )
+        actual = _crc32c(data)
+        if actual != crc:
+            raise CorruptCheckpointError(
+                f"'{where}' is corrupt: bytes {offset}-{offset + length} ({what}) have CRC32C "
+                f"{actual:08x}, written as {crc:08x}; {_REDO}"
+            )
+
+
+def read(stream: Any, where: str) -> ItemRecord:
+    """The item record at the end of the open shard file `stream` (seekable; remote streams
+    fetch the tail in one ranged read). Raises `CorruptCheckpointError` naming `where` when
+    there is none or it is damaged."""
+    size = stream.seek(0, io.SEEK_END)
+    stream.seek(max(0, size - _TAIL))
+    tail = _read_exactly(stream, min(size, _TAIL))
+    if len(tail) < _FOOTER.size or tail[-len(MAGIC) :] != MAGIC:
+        raise CorruptCheckpointError(
+            f"'{where}' has no trainckpt item record at its end, which every shard of this "
+            f"checkpoint was written with (the file was replaced or truncated); {_REDO}"
+        )
+    length, _ = _FOOTER.unpack(tail[-_FOOTER.size :])
+    if length > min(size - _FOOTER.size, _MAX_RECORD):
+        raise _damaged(where, f"a record length of {length} bytes")
+    if length + _FOOTER.size > len(tail):
+        stream.seek(size - _FOOTER.size - length)
+        body = _read_exactly(stream, length)
+    else:
+        body = tail[-_FOOTER.size - length : -_FOOTER.size]
+    try:
+        raw = json.loads(body)
+        items = {int(o): (int(n), int(c, 16)) for o, n, c in raw["items"]}
+        file, save_id = raw["file"], raw["save_id"]
+    except (ValueError, TypeError, KeyError, RecursionError) as e:
+        raise _damaged(where, f"{type(e).__name__}: {e}") from e
+    if not isinstance(file, str) or not isinstance(save_id, str):
+        raise _damaged(where, "no file name or save id")
+    return ItemRecord(file=file, save_id=save_id, items=items)
+
+
+def _crc32c(data: bytes | memoryview) -> int:
+    """In place, in chunks, without the interpreter lock where the native library is there."""
+    view = memoryview(data).cast("B")
+    crc = 0
+    for start in range(0, len(view), _CHUNK):
+        crc = crc32c_extend(crc, view[start : start + _CHUNK])
+    return crc
+
+
+def _read_exactly(stream: Any, n: int) -> bytes:
+    parts, got = [], 0
+    while got < n:
+        chunk = stream.read(n - got)
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+def _damaged(where: str, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"'{where}' has a damaged item record ({what}); {_REDO}")
