@@ -46,6 +46,16 @@ def split_item_record(shard: Path) -> tuple[bytes, dict]:
     return data[: -16 - length], json.loads(data[-16 - length : -16])
 
 
+def write_item_record(shard: Path, items: bytes, record: dict, spans: list[tuple[int, int]]):
+    """Write `shard` as `items` plus an item record (name and save id from `record`) vouching
+    for the bytes at `spans` (offset, length), as a careful attacker would."""
+    record = dict(
+        record, items=[[o, n, f"{google_crc32c.value(items[o : o + n]):08x}"] for o, n in spans]
+    )
+    body = json.dumps(record).encode()
+    shard.write_bytes(items + body + len(body).to_bytes(8, "little") + b"TCKPTIR1")
+
+
 def read_manifest(ckpt: Path) -> dict:
     return json.loads((ckpt / ".manifest.json").read_text())
 

@@ -52,7 +52,13 @@ from hostile import (
     torch_file_with_pickle,
     torch_save_bytes,
 )
-from integrity import RunsCommand, read_manifest, write_manifest
+from integrity import (
+    RunsCommand,
+    read_manifest,
+    split_item_record,
+    write_item_record,
+    write_manifest,
+)
 from models import WithExtra
 from servers import StaticHTTPServer
 
@@ -308,14 +314,17 @@ def _plant_value(ckpt: Path, data: bytes) -> None:
     """Put `data` in the shard in place of the value 'extra', shifting what follows it."""
     md, index, info = _value_record(ckpt)
     shard = ckpt / "model_and_optim" / info.relative_path
-    old = shard.read_bytes()
-    shard.write_bytes(old[: info.offset] + data + old[info.offset + info.length :])
+    old, record = split_item_record(shard)
+    items = old[: info.offset] + data + old[info.offset + info.length :]
     delta = len(data) - info.length
     for other in md.storage_data.values():
         if other.relative_path == info.relative_path and other.offset > info.offset:
             other.offset += delta
     info.length = len(data)
     (ckpt / "model_and_optim" / ".metadata").write_bytes(pickle.dumps(md))
+    spans = [(o.offset, o.length) for o in md.storage_data.values()]
+    mine = [o.relative_path == info.relative_path for o in md.storage_data.values()]
+    write_item_record(shard, items, record, [sp for sp, m in zip(spans, mine, strict=True) if m])
     _rerecord(ckpt, f"model_and_optim/{info.relative_path}", "model_and_optim/.metadata")
 
 
