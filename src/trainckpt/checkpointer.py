@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from . import dist, exit_guard, finders, layout
+from . import amend, dist, exit_guard, finders, layout
 from .claim import DEFAULT_LEASE
 from .commit import OnFile, SaveRequest, is_committed, save_checkpoint
 from .direct import load_direct, loads_directly, save_direct, saves_directly
@@ -290,12 +290,13 @@ class Checkpointer:
 
     def write_file(self, dir: str | os.PathLike, fname: str, contents: str | bytes) -> str:
         """Write one file into a folder, atomically; refused if it exists, unless
-        `save_overwrite`. Returns its path. Called on: whichever ranks want to write it."""
+        `save_overwrite`. Returns its path. Into a committed checkpoint (OLMo-core's
+        `ConfigSaverCallback` writes `config.json` into each), the file is added to its
+        manifest too, so the checkpoint still verifies. Called on: whichever ranks want to
+        write it (one at a time per checkpoint)."""
         storage, folder = resolve(dir, self._storage_options)
         data = contents.encode() if isinstance(contents, str) else contents
-        target = storage.join(folder, fname)
-        storage.write_bytes(target, data, overwrite=self.save_overwrite)
-        return target
+        return amend.write_file(storage, folder, fname, data, overwrite=self.save_overwrite)
 
     def wait(self) -> str | None:
         """Wait for the in-flight async save, if any; return its path or raise its error."""
