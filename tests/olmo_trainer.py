@@ -7,7 +7,7 @@ config (`TrainerConfig(checkpointer=...)`), nothing else changed.
 
 Also a command line, for runs in their own process (crash and `torchrun` tests):
 `python olmo_trainer.py ROOT SAVE_FOLDER CHECKPOINTER [--async] [--stop N] [--kill-at N]
-[--ddp] [--out FILE]` trains to step 10 (or stops at N) and writes a `snapshot` to FILE.
+[--ddp] [--direct] [--out FILE]` trains to step 10 (or stops at N) and writes a `snapshot` to FILE.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from olmo_core.distributed.utils import get_rank
 from olmo_core.nn.transformer import TransformerConfig
 from olmo_core.optim import AdamWConfig
 from olmo_core.train import Duration, Trainer, TrainerConfig
-from olmo_core.train.callbacks import Callback, CheckpointerCallback
+from olmo_core.train.callbacks import Callback, CheckpointerCallback, ConfigSaverCallback
 from olmo_core.train.checkpoint import CheckpointerConfig as OLMoConfig
 from olmo_core.train.train_module import (
     TransformerDataParallelConfig,
@@ -150,12 +150,14 @@ def build_trainer(root: Path, save_folder: Path, run: Run) -> Trainer:
             save_interval=SAVE_INTERVAL,
             ephemeral_save_interval=EPHEMERAL_INTERVAL,
             save_async=run.save_async,
-        )
+        ),
+        # Writes config.json and data_paths.txt into each checkpoint once it is saved.
+        "config_saver": ConfigSaverCallback(),
     }
     if run.kill_at is not None:
         callbacks["kill"] = KillDuringSave(run.kill_at, run.kill_point)
     checkpointer = OLMoConfig() if run.checkpointer == "olmo" else OLMoCheckpointerConfig()
-    return TrainerConfig(
+    config = TrainerConfig(
         save_folder=str(save_folder),
         work_dir=str(root / f"work-{get_rank()}"),
         checkpointer=checkpointer,
@@ -163,7 +165,12 @@ def build_trainer(root: Path, save_folder: Path, run: Run) -> Trainer:
         hard_stop=Duration.steps(run.stop) if run.stop is not None else None,
         metrics_collect_interval=STEPS,
         callbacks=callbacks,
-    ).build(module, loader)
+    )
+    trainer = config.build(module, loader)
+    saver = trainer.callbacks["config_saver"]
+    assert isinstance(saver, ConfigSaverCallback)
+    saver.config = config.as_config_dict()
+    return trainer
 
 
 def train(root: Path, save_folder: Path, run: Run) -> dict[str, Any]:
@@ -216,9 +223,17 @@ def main() -> None:
     p.add_argument("--stop", type=int)
     p.add_argument("--kill-at", type=int)
     p.add_argument("--ddp", action="store_true")
+    p.add_argument("--direct", action="store_true")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
-    run = Run(args.checkpointer, args.save_async, args.stop, ddp=args.ddp, kill_at=args.kill_at)
+    run = Run(
+        args.checkpointer,
+        args.save_async,
+        args.stop,
+        direct=args.direct,
+        ddp=args.ddp,
+        kill_at=args.kill_at,
+    )
     if args.ddp:
         from olmo_core.train import prepare_training_environment, teardown_training_environment
 

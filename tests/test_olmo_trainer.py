@@ -77,6 +77,12 @@ def test_stopped_and_resumed_run_is_bit_identical(tmp_path, reference, save_asyn
         assert report.ok and not report.unverifiable, report.problems
     if not save_async:  # async removals depend on timing (OLMo-core removes when none pending)
         assert steps == [0, 5, 7, 8, 10]  # what OLMo-core's own checkpointer leaves
+    # ConfigSaverCallback wrote config.json into each checkpoint after its commit: recorded in
+    # the manifest (so the resume above verified), and the config names trainckpt's class.
+    manifest = json.loads((folder / "step7" / ".manifest.json").read_text())
+    assert {"config.json", "data_paths.txt"} <= set(manifest["files"])
+    config = json.loads((folder / "step7" / "config.json").read_text())
+    assert config["checkpointer"]["_CLASS_"] == "trainckpt.olmo.OLMoCheckpointerConfig"
 
 
 @pytest.mark.parametrize(
@@ -107,27 +113,40 @@ def test_kill_during_async_save_then_resume(tmp_path, reference):
     assert not list(folder.glob("*-tmp")) and 6 not in committed_steps(folder)
 
 
-def test_torchrun_two_ranks_ddp(tmp_path):
-    """Two gloo ranks under torchrun with DDP: stop at 7 and resume with trainckpt (async)
-    equals an uninterrupted run with OLMo-core's checkpointer, on each rank. OLMo-core's
-    limits on CPU: DDP only (its FSDP/HSDP and the fused-MoE direct module need CUDA), and with
-    async saves slower than a step its callback removes no ephemeral checkpoint until a step
-    finds none pending (so which ephemeral ones remain is not asserted)."""
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    _torchrun(tmp_path, ref, "olmo", "--out", str(tmp_path / "ref"))
-    _torchrun(tmp_path, run, "trainckpt", "--async", "--stop", "7")
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """Per rank: an uninterrupted torchrun run (2 gloo ranks, DDP), OLMo-core's checkpointer."""
+    root = tmp_path_factory.mktemp("ddp-reference")
+    _torchrun(root, root / "run", "olmo", "--out", str(root / "result"))
+    return [torch.load(root / f"result.rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+@pytest.mark.parametrize("mode", ["--async", "--direct"])
+def test_torchrun_two_ranks_ddp(tmp_path, ddp_reference, mode):
+    """Two gloo ranks under torchrun with DDP: stop at 7 and resume with trainckpt (async saves;
+    or sync saves of a direct-API module, each rank writing its own shards) equals the
+    uninterrupted OLMo-core run, on each rank. OLMo-core's limits on CPU: DDP only (its FSDP/HSDP
+    and the fused-MoE direct module need CUDA), and with async saves slower than a step its
+    callback removes no ephemeral checkpoint until a step finds none pending (so which
+    ephemeral ones remain is not asserted)."""
+    run = tmp_path / "run"
+    _torchrun(tmp_path, run, "trainckpt", mode, "--stop", "7")
     assert 7 in committed_steps(run)
-    _torchrun(tmp_path, run, "trainckpt", "--async", "--out", str(tmp_path / "run"))
+    _torchrun(tmp_path, run, "trainckpt", mode, "--out", str(tmp_path / "result"))
     for rank in (0, 1):
-        expected = torch.load(tmp_path / f"ref.rank{rank}.pt", weights_only=False)
-        got = torch.load(tmp_path / f"run.rank{rank}.pt", weights_only=False)
+        got = torch.load(tmp_path / f"result.rank{rank}.pt", weights_only=False)
         assert got["step"] == STEPS
-        assert_identical(expected, got)
+        assert_identical(ddp_reference[rank], got)
     for step in committed_steps(run):
         assert Checkpointer.verify(run / f"step{step}", deep=True).ok
     manifest = json.loads((run / "step7" / ".manifest.json").read_text())
-    assert manifest["world_size"] == 2 and {"train/rank0.pt", "train/rank1.pt"} <= set(
+    assert manifest["world_size"] == 2
+    assert {"train/rank0.pt", "train/rank1.pt", "model_and_optim/.metadata"} <= set(
         manifest["files"]
+    )
+    written = {p.name for p in (run / "step7" / "model_and_optim").iterdir()}
+    assert {f.split("/")[-1] for f in manifest["files"] if f.startswith("model_and_optim/")} == (
+        written
     )
 
 
@@ -180,6 +199,25 @@ def test_direct_module_reset_flag_and_async_refusal(tmp_path):
     ckpt.load(tmp_path / "run" / "step3", module, reset_optimizer_states_on_load=False)
     flags = [kw["reset_optimizer_states_on_load"] for name, kw in module.calls if name == "load"]
     assert flags == [True, None, False]
+
+
+def test_direct_module_on_a_bucket(tmp_path, gcs_bucket):
+    """Object stores stage each rank's files locally, then upload: the module writes into the
+    staging folder and its files are uploaded and listed like any other."""
+    trainer = build_trainer(tmp_path, tmp_path / "run", Run("trainckpt", direct=True))
+    module, ckpt = trainer.train_module, trainer.checkpointer
+    saved = snapshot(trainer)
+    target = f"{gcs_bucket}/run/step3"
+    ckpt.save(target, module, {"global_step": 3})
+    report = Checkpointer.verify(target, deep=True)
+    assert report.ok and report.manifest is not None
+    assert "model_and_optim/.metadata" in report.manifest.files
+    with torch.no_grad():
+        for p in module.model.parameters():
+            p.add_(1.0)
+    assert ckpt.load(target, module) == {"global_step": 3}
+    assert_identical(saved["model"], snapshot(trainer)["model"])
+    ckpt.close()
 
 
 def test_direct_module_never_sees_unsafe_dcp_metadata(tmp_path):
