@@ -12,29 +12,18 @@ Validation stays in one place: every value goes through `CheckpointerConfig`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 from typing import Any
 
 from olmo_core.train.checkpoint import CheckpointerConfig as _OLMoCheckpointerConfig
 
 from . import dist
-from .checkpointer import Checkpointer, VerifyOnLoad
+from .checkpointer import Checkpointer
 from .config import CheckpointerConfig
 
-_FIELDS = CheckpointerConfig.model_fields
 
-
-@dataclass
-class OLMoCheckpointerConfig(_OLMoCheckpointerConfig):
-    """OLMo-core's `CheckpointerConfig` fields (`work_dir`, `save_overwrite`, `pre_download`,
-    thread counts, `throttle_uploads`; the first two filled in by `TrainerConfig.build`) plus
-    trainckpt's own; each field means what it means in `CheckpointerConfig`."""
-
-    fs_timeout: float = _FIELDS["fs_timeout"].default
-    collective_timeout: float = _FIELDS["collective_timeout"].default
-    retry_deadline: float = _FIELDS["retry_deadline"].default
-    verify_on_load: VerifyOnLoad = _FIELDS["verify_on_load"].default
-    exit_timeout: float = _FIELDS["exit_timeout"].default
+class _Methods(_OLMoCheckpointerConfig):
+    """What `OLMoCheckpointerConfig` does; its fields are added below."""
 
     def __post_init__(self) -> None:
         self.trainckpt_config()  # invalid settings fail here, as a pydantic model would
@@ -50,3 +39,33 @@ class OLMoCheckpointerConfig(_OLMoCheckpointerConfig):
         """trainckpt's `Checkpointer` with these settings, `kwargs` (what `TrainerConfig.build`
         fills in) on top. Called on: all ranks."""
         return self.trainckpt_config(**kwargs).build(process_group)
+
+
+def _own_fields() -> list[tuple[str, Any, Any]]:
+    """`CheckpointerConfig`'s fields that OLMo-core's config lacks, with type and default:
+    generated, so a setting added to `CheckpointerConfig` is here too."""
+    olmo = {f.name for f in dataclasses.fields(_OLMoCheckpointerConfig)}
+    fields = []
+    for name, info in CheckpointerConfig.model_fields.items():
+        if name in olmo:
+            continue
+        if info.default_factory is not None:
+            default = dataclasses.field(default_factory=info.default_factory)  # type: ignore[arg-type]
+        else:
+            default = dataclasses.field(default=info.default)
+        fields.append((name, info.annotation, default))
+    return fields
+
+
+OLMoCheckpointerConfig = dataclasses.make_dataclass(
+    "OLMoCheckpointerConfig",
+    _own_fields(),
+    bases=(_Methods,),
+    namespace={
+        "__module__": __name__,  # OLMo-core's from_dict finds the class by this name
+        "__doc__": """OLMo-core's `CheckpointerConfig` fields (`work_dir`, `save_overwrite`,
+        `pre_download`, thread counts, `throttle_uploads`; the first two filled in by
+        `TrainerConfig.build`) plus every other field of trainckpt's `CheckpointerConfig`, each
+        meaning what it means there.""",
+    },
+)
