@@ -128,3 +128,54 @@ def test_none_checks_nothing_and_find_latest_good_checks_by_level(run, tmp_path)
     assert full.find_latest_good(run) == str(run / "step1")
     for c in (unchecked, size, full):
         c.close()
+
+
+def _save_two_ranks(rank: int, world: int, folder: str, step: int) -> None:
+    from models import make_module
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ckpt = CheckpointerConfig(work_dir=f"{folder}/work{rank}").build()
+    src = make_module(seed=step)
+    module = ModelAndOptim(DDP(src.model), src.optim)
+    ckpt.save(f"{folder}/step{step}", module, {"rank": rank, "step": step})
+    ckpt.close()
+
+
+def _load_two_ranks(rank: int, world: int, path: str) -> str:
+    """The error each rank's `load` raised (it must raise, on every rank, without hanging)."""
+    from models import fresh_module
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ckpt = CheckpointerConfig(work_dir=f"{path}-work{rank}", collective_timeout=60).build()
+    dst = fresh_module()
+    try:
+        ckpt.load(path, ModelAndOptim(DDP(dst.model), dst.optim))
+    except CorruptCheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        ckpt.close()
+    return "loaded"
+
+
+@pytest.mark.slow
+def test_two_ranks_share_one_save_id_and_refuse_one_ranks_misplaced_file(tmp_path):
+    """Both ranks' shards name the save id in `.metadata`; a trainer-state file of rank 1 copied
+    in from another checkpoint fails rank 1's load and, with it, rank 0's (no rank hangs)."""
+    from multiproc import run_ranks
+
+    folder = tmp_path / "run"
+    for step in (1, 2):
+        run_ranks(_save_two_ranks, 2, str(folder), step)
+    ckpt = folder / "step1"
+
+    def save_ids(step: int) -> set[str]:
+        shards = (folder / f"step{step}" / "model_and_optim").glob("*.distcp")
+        return {split_item_record(p)[1]["save_id"] for p in shards}
+
+    assert len(save_ids(1)) == 1 and save_ids(1) != save_ids(2)
+    shutil.copyfile(folder / "step2" / "train" / "rank1.pt", ckpt / "train" / "rank1.pt")
+    errors = run_ranks(_load_two_ranks, 2, str(ckpt))
+    assert "train/rank1.pt' is not the file this checkpoint was saved with" in errors[1], errors
+    assert errors[0].startswith("RankFailedError") and "rank 1" in errors[0], errors

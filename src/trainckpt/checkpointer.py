@@ -469,9 +469,14 @@ class Checkpointer:
 
         trainer_state = None
         if load_trainer_state is not False:
-            trainer_state = self._load_trainer_state(
-                storage, path, manifest, required=bool(load_trainer_state)
-            )
+            error: Exception | None = None
+            try:
+                trainer_state = self._load_trainer_state(
+                    storage, path, manifest, required=bool(load_trainer_state)
+                )
+            except Exception as e:  # each rank reads its own file: a failure may be one rank's
+                error = e
+            dist.agree(error, f"reading the trainer state of '{path}'", self.process_group)
 
         if load_optim_state is None and layout.parse_step(storage.name(path)) == 0:
             log.info("'%s' is a step-0 (seed) checkpoint: loading model weights only", path)
