@@ -175,8 +175,7 @@ class Checkpointer:
                 staged = self._stage_in_background(req, state, staging, mark)
             staged_at = time.perf_counter()
             path = save_checkpoint(
-                req,
-                self._write_fn(staged, trainer_bytes, _dcp_dir(req), train_module, background=True),
+                req, self._write_fn(staged, trainer_bytes, _dcp_dir(req), train_module)
             )
             self._log_saved(path, start, start if overlap_staging else staged_at)
             return path
@@ -368,12 +367,7 @@ class Checkpointer:
         trainer_bytes: bytes,
         dcp_dir: str,
         train_module: TrainModule,
-        *,
-        background: bool = False,
     ):
-        """The commit protocol's `write` for this state. A `background` save (save_async)
-        writes its shard files one at a time, leaving the other cores to training; the files
-        are the same as a blocking save's."""
         group = self.process_group
         threads = self.save_thread_count or _default_threads()
         direct = saves_directly(train_module)
@@ -414,7 +408,6 @@ class Checkpointer:
                         model_dir,
                         group=group,
                         thread_count=shards,
-                        write_threads=1 if background else shards,
                         durable=durable,
                         on_file=on_file,
                         prefix=prefix,

@@ -52,7 +52,6 @@ def save_state(
     *,
     group: dist.ProcessGroup | None,
     thread_count: int,
-    write_threads: int | None = None,
     durable: bool = True,
     on_file: Callable[[str], None] | None = None,
     prefix: str | None = None,
@@ -69,7 +68,6 @@ def save_state(
     writer = RecordingWriter(
         folder,
         thread_count=thread_count,
-        write_threads=write_threads,
         durable=durable,
         on_file=None if on_file is None else lambda name: on_file(f"{rel}{name}"),
     )

@@ -4,8 +4,7 @@ The files are exactly DCP's (each item `torch.save`d into per-rank `__{R}_{i}.di
 plus DCP's pickled `.metadata`), so plain DCP and OLMo-core read them. What differs from DCP's
 own `FileSystemWriter` is how they are written:
 
-- one thread per shard file, all files of a rank written and fsynced in parallel (a background
-  save writes the same files one at a time, leaving the cores to training);
+- one thread per shard file, all files of a rank written and fsynced in parallel;
 - the CRC32C that the manifest needs is computed from the bytes as they are written, instead of
   reading every file back afterwards, without holding the interpreter lock
   (`checksummed_file`);
@@ -65,17 +64,13 @@ class RecordingWriter(FileSystemWriter):
         thread_count: int,
         durable: bool = True,
         on_file: Callable[[str], None] | None = None,
-        write_threads: int | None = None,
     ) -> None:
-        """Up to `thread_count` shard files, written by `write_threads` threads (default: one
-        per file). `on_file(name)` is called (on the writing thread) as soon as a shard is
-        complete."""
+        """`on_file(name)` is called (on the writing thread) as soon as a shard is complete."""
         super().__init__(
             path, single_file_per_rank=True, sync_files=durable, thread_count=thread_count
         )
         self.written: dict[str, FileEntry] = {}
         self.on_file = on_file
-        self.write_threads = write_threads or thread_count
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """DCP's own step (creates the folder), with write errors naming the folder."""
@@ -106,8 +101,7 @@ class RecordingWriter(FileSystemWriter):
         names = [f"{prefix}{i}{DEFAULT_SUFFIX}" for i in range(len(buckets))]
         results: list[WriteResult] = []
         if buckets:
-            threads = min(len(buckets), self.write_threads)
-            with ThreadPoolExecutor(threads, thread_name_prefix="trainckpt-write") as pool:
+            with ThreadPoolExecutor(len(buckets), thread_name_prefix="trainckpt-write") as pool:
                 futures = [
                     pool.submit(self._write_file, name, items, planner)
                     for name, items in zip(names, buckets, strict=True)
