@@ -201,6 +201,18 @@ def test_direct_module_reset_flag_and_async_refusal(tmp_path):
     assert flags == [True, None, False]
 
 
+def test_reset_flag_without_direct_api_is_ignored_with_a_warning(tmp_path, caplog):
+    """As in OLMo-core, only direct-API modules reset optimizer state; others load it all."""
+    trainer = build_trainer(tmp_path, tmp_path / "run", Run("trainckpt"))
+    module, ckpt = trainer.train_module, trainer.checkpointer
+    ckpt.save(tmp_path / "run" / "step3", module, {"global_step": 3})
+    with caplog.at_level("WARNING", logger="trainckpt"):
+        state = ckpt.load(tmp_path / "run" / "step3", module, reset_optimizer_states_on_load=True)
+    assert state == {"global_step": 3}
+    assert "reset_optimizer_states_on_load=True has no effect" in caplog.text
+    ckpt.close()
+
+
 def test_direct_module_on_a_bucket(tmp_path, gcs_bucket):
     """Object stores stage each rank's files locally, then upload: the module writes into the
     staging folder and its files are uploaded and listed like any other."""
