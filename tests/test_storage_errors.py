@@ -271,3 +271,16 @@ def test_file_size_limit(tmp_path: Path):
     assert not any(a in text for a in LOAD_ADVICE), text
     assert_nothing_committed(run)
     shutil.rmtree(tmp_path / "work", ignore_errors=True)
+
+
+def test_unwritable_work_dir_of_an_object_store_save(gcs_bucket: str, tmp_path: Path):
+    """Saves to gs:// stage their files in `work_dir`: a file in its place is a StorageError
+    naming it, and nothing is uploaded."""
+    ckpt = CheckpointerConfig(work_dir=tmp_path / "work").build()
+    blocker = tmp_path / "work"
+    shutil.rmtree(blocker)
+    blocker.write_text("not a folder")
+    with pytest.raises(StorageError, match=f"'{blocker}' is a file, not a folder"):
+        ckpt.save(f"{gcs_bucket}/run/step1", make_module(), {"step": 1})
+    assert list(Checkpointer.find_checkpoints(f"{gcs_bucket}/run")) == []
+    ckpt.close()

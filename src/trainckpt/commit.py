@@ -234,7 +234,8 @@ def _write_and_upload(req: SaveRequest, write: WriteFn) -> dict[str, FileEntry]:
     and uploads them (create-only) into the claimed prefix. Called on: all ranks."""
     storage, dir, group = req.storage, req.dir, req.group
     staging = req.work_dir / f"staging-{uuid.uuid4().hex[:12]}"
-    staging.mkdir(parents=True)
+    with writing(staging):  # work_dir full, read-only or not ours: a StorageError naming it
+        staging.mkdir(parents=True)
     try:
         # Not fsynced: the uploaded objects are the copies that must last. Unless uploads go in
         # turns (`throttle_uploads`), each file is uploaded as soon as it is written.
