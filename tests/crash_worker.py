@@ -8,8 +8,12 @@ checkpoint must hold.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import multiprocessing as mp
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainckpt import Checkpointer, CheckpointerConfig, ModelAndOptim
+from trainckpt import Checkpointer, CheckpointerConfig, CheckpointError, ModelAndOptim
 from trainckpt.faults import ENV_VAR
 
 WIDTH = 384  # two Linear layers: ~0.3M parameters, ~3.5 MB per checkpoint with AdamW moments
@@ -211,6 +215,62 @@ def delete_loop(
     results.put(rounds)
 
 
+def save_steps(
+    folder: str,
+    work_dir: str,
+    steps: list[int],
+    out: str,
+    shards: int = 2,
+    ready: Event | None = None,
+    start: Any = None,
+    dirname: str | None = None,
+) -> None:
+    """Save, to `folder/step{N}` for each of `steps` (ascending), what an uninterrupted run
+    holds after N steps: no resume, no deletion. `ready` is set once the first save returned;
+    with `start` (a multiprocessing barrier), the first save begins when every racer passed it;
+    with `dirname`, every save goes to `folder/dirname` (racers saving different states to one
+    step). Each save's outcome goes to `out` as a JSON list; no failed save stops the run, so
+    the test sees every one. `shards`: DCP files per save."""
+    torch.set_num_threads(1)
+    ckpt = CheckpointerConfig(work_dir=work_dir, fs_timeout=600, save_thread_count=shards).build()
+    outcomes = []
+    try:
+        for i, step in enumerate(steps):
+            module = reference(step)
+            if i == 0 and start is not None:
+                start.wait()
+            began = time.monotonic()
+            try:
+                name = dirname or Checkpointer.checkpoint_dirname(step)
+                path = ckpt.save(f"{folder}/{name}", module, trainer_state(step))
+                outcomes.append({"step": step, "committed": path})
+            except Exception as e:
+                outcomes.append(
+                    {
+                        "step": step,
+                        "error": type(e).__name__,
+                        "message": str(e),
+                        "checkpoint_error": isinstance(e, CheckpointError),
+                        "seconds": time.monotonic() - began,
+                    }
+                )
+            if ready is not None:
+                ready.set()
+    finally:
+        ckpt.close()
+        Path(out).write_text(json.dumps(outcomes))
+
+
+def run_cli(argv: list[str], out: str) -> None:
+    """`trainckpt ARGV` in this process; its exit code and output go to `out` as JSON."""
+    from trainckpt.cli import main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        code = main(argv)
+    Path(out).write_text(json.dumps({"code": code, "output": buf.getvalue()}))
+
+
 def _warm_up() -> None:
     """Pay lazy imports (an optimizer's first use imports torch._dynamo: seconds) once, in the
     forkserver, instead of in every forked run. No tensor op runs here: a forked child must
@@ -248,6 +308,12 @@ class Launcher:
             else:
                 os.environ["PYTHONPATH"] = old
         return cls(ctx)
+
+    def call(self, fn: Any, *args: Any, **kwargs: Any) -> BaseProcess:
+        """Start `fn(*args, **kwargs)`, a function of this module, in a forked process."""
+        proc = self.ctx.Process(target=fn, args=args, kwargs=kwargs)
+        proc.start()
+        return proc
 
     def start(self, *args: Any, target: Any = run, **kwargs: Any) -> tuple[BaseProcess, Event]:
         """Start `target` (a function of this module: `run` or `save_once`) in a new process;

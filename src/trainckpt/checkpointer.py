@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal
 
 from . import amend, dist, exit_guard, finders, layout
 from .claim import DEFAULT_LEASE
-from .commit import OnFile, SaveRequest, is_committed, save_checkpoint
+from .commit import OnFile, SaveRequest, delete_checkpoint, is_committed, save_checkpoint
 from .direct import load_direct, loads_directly, save_direct, saves_directly
 from .errors import (
     CheckpointError,
@@ -633,12 +633,14 @@ class Checkpointer:
 
     @classmethod
     def delete(cls, dir: str | os.PathLike) -> None:
-        """Delete a checkpoint folder (committed or not): the commit record first, so a crash
-        midway leaves an uncommitted folder that no finder reports, never a torn checkpoint.
-        A missing folder is ignored. Called on: one rank."""
+        """Delete a checkpoint folder (committed or not, or a `-tmp` working folder): the
+        commit record first, so a crash midway leaves an uncommitted folder that no finder
+        reports, never a torn checkpoint. A missing folder is ignored; a symbolic link loses
+        only the link. On a filesystem, the folders of a save still running are refused with
+        `ConcurrentSaveError` (those of a crashed save are deleted). Called on: one rank."""
         storage, path = resolve(dir)
         start = time.perf_counter()
-        storage.delete_tree(path, first=[layout.METADATA_FILE])
+        delete_checkpoint(storage, path)
         log.info("deleted '%s' in %.2fs", path, time.perf_counter() - start)
 
     @classmethod

@@ -287,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
         "prune",
         cmd_prune,
         "delete all but the newest N permanent checkpoints, and crash leftovers "
-        "(never while a run is saving into the folder)",
+        "(the folders of saves still running are kept)",
     )
     p.add_argument("folder", help="save folder: local path or gs://bucket/prefix")
     p.add_argument(

@@ -10,12 +10,14 @@ never write into the same prefix.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,12 +28,14 @@ from .errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointTimeoutError,
+    ConcurrentSaveError,
     CorruptCheckpointError,
     SharedFolderError,
 )
 from .faults import fault_point
-from .layout import CLAIM_FILE, MANIFEST_FILE, METADATA_FILE, tmp_name
+from .layout import CLAIM_FILE, MANIFEST_FILE, METADATA_FILE, target_name, tmp_name
 from .records import CheckpointManifest, CheckpointMetadata, FileEntry
+from .step_lock import StepLock
 from .storage import Storage
 from .storage.local import writing
 
@@ -83,14 +87,22 @@ def is_committed(storage: Storage, dir: str) -> bool:
 def delete_leftover(storage: Storage, dir: str) -> bool:
     """Delete an uncommitted step folder (a leftover of an interrupted save), unless it turns
     out to be a save in progress or got committed meanwhile; return whether it was deleted.
-    On object stores the deletion claims the step first (`claim.delete_uncommitted`).
+    The deletion claims the step first: the step lock on a filesystem (`step_lock.py`), the
+    claim on object stores (`claim.delete_uncommitted`).
 
     Called on: the one process deleting (prune, retention).
     """
-    if storage.atomic_rename:
-        storage.delete_tree(dir, first=[METADATA_FILE])
-        return True
-    return claims.delete_uncommitted(storage, dir)
+    if not storage.atomic_rename:
+        return claims.delete_uncommitted(storage, dir)
+    try:
+        with _deletion_lock(storage, dir):
+            if is_committed(storage, dir):  # a save that held the lock committed it meanwhile
+                return False
+            storage.delete_tree(dir, first=[METADATA_FILE])
+    except ConcurrentSaveError as e:
+        log.info("keeping '%s': %s", dir, e)
+        return False
+    return True
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float) -> bool:
@@ -111,21 +123,29 @@ def wait_for(predicate: Callable[[], bool], timeout: float) -> bool:
 def _save_by_rename(req: SaveRequest, write: WriteFn) -> str:
     storage, dir, group = req.storage, req.dir, req.group
     tmp = storage.join(storage.parent(dir), tmp_name(storage.name(dir)))
+    # Rank 0 locks `dir` (and with it `-tmp`) for the whole save (`step_lock.py`): no other
+    # save of this step, prune or retention touches either while it is held.
+    lock = StepLock(storage.local_path(dir), f"save of '{dir}'")
 
-    # 1. Prepare (rank 0): refuse a committed target, clear crash leftovers, create `-tmp` with
-    #    a probe file. Every rank gets rank 0's outcome, so all stop on a refusal.
-    token = dist.run_on_rank0(
-        lambda: _prepare_tmp(storage, dir, tmp, req.overwrite), f"preparing '{tmp}'", group
-    )
+    # 1. Prepare (rank 0): lock the step, refuse a committed target, clear crash leftovers,
+    #    create `-tmp` with a probe file. Every rank gets rank 0's outcome, so all stop on a
+    #    refusal.
     try:
+        token = dist.run_on_rank0(
+            lambda: _prepare_tmp(storage, dir, tmp, req.overwrite, lock),
+            f"preparing '{tmp}'",
+            group,
+        )
         return _write_and_rename(req, write, tmp, token)
     except BaseException:
-        if dist.get_rank(group) == 0:  # best effort: leave no `-tmp` behind a failed save
+        if lock.held:  # rank 0, owner of `-tmp`: leave none behind a failed save
             try:
                 storage.delete_tree(tmp)
             except Exception as cleanup_error:
                 log.warning("could not remove '%s' after a failed save: %s", tmp, cleanup_error)
         raise
+    finally:
+        lock.release()
 
 
 def _write_and_rename(req: SaveRequest, write: WriteFn, tmp: str, token: str) -> str:
@@ -157,16 +177,24 @@ def _write_and_rename(req: SaveRequest, write: WriteFn, tmp: str, token: str) ->
     # 4. Gathering every rank's file list is also the barrier after which all files are durable.
     parts = dist.all_gather_object(entries, group)
 
-    # 5. Rank 0 writes the manifest, then the commit record, then renames `-tmp` into place.
+    # 5. Rank 0 checks that `-tmp` holds exactly the files the ranks wrote, writes the manifest
+    #    and then the commit record into it (never into a recreated copy), and renames it into
+    #    place. The rename never replaces a checkpoint another writer put there meanwhile.
     def commit() -> None:
         storage.delete_files([storage.join(tmp, PROBE_PREFIX + token)])
-        _write_records(req, tmp, parts)
-        if storage.exists(storage.join(dir, METADATA_FILE)) or storage.local_path(dir).exists():
+        _write_records(req, tmp, parts)  # checks that `-tmp` holds exactly `parts` first
+        if req.overwrite and os.path.lexists(storage.local_path(dir)):
             # save_overwrite of a committed checkpoint: the new one is complete; only now
             # does the old one go, commit record first.
             storage.delete_tree(dir, first=[METADATA_FILE])
         fault_point("before-rename")
-        storage.rename_dir(tmp, dir)
+        try:
+            storage.rename_dir(tmp, dir)
+        except CheckpointExistsError as e:
+            raise CheckpointExistsError(
+                f"'{dir}' appeared while this save was writing (a writer that does not take "
+                f"trainckpt's lock of the step); this save committed nothing: {e}"
+            ) from e
         fault_point("after-rename")
 
     dist.run_on_rank0(commit, f"committing '{dir}'", group)
@@ -181,21 +209,63 @@ def _write_and_rename(req: SaveRequest, write: WriteFn, tmp: str, token: str) ->
     return dir
 
 
-def _prepare_tmp(storage: Storage, dir: str, tmp: str, overwrite: bool) -> str:
+def _prepare_tmp(storage: Storage, dir: str, tmp: str, overwrite: bool, lock: StepLock) -> str:
+    """Lock the step, then clear what a crashed save left and create `tmp`. Called on: rank 0."""
+    local_dir, local_tmp = storage.local_path(dir), storage.local_path(tmp)
+    with writing(local_tmp):
+        local_dir.parent.mkdir(parents=True, exist_ok=True)
+    if not lock.take():
+        if is_committed(storage, dir) and not overwrite:
+            raise _exists(dir)
+        raise ConcurrentSaveError(
+            f"another save of {storage.name(dir)} is in progress in '{tmp}' "
+            f"({lock.holder()}); this save did not start. Wait for that one to finish, or "
+            "save to another step"
+        )
     if is_committed(storage, dir) and not overwrite:
         raise _exists(dir)
-    local_dir, local_tmp = storage.local_path(dir), storage.local_path(tmp)
-    if local_dir.exists() and not is_committed(storage, dir):
+    # The lock was free: whatever is here was left by a process that died (or by a deletion
+    # that was interrupted). A symbolic link loses only the link (`delete_tree`).
+    if os.path.lexists(local_dir) and not is_committed(storage, dir):
         log.warning("removing '%s': an uncommitted leftover of an interrupted save", dir)
         storage.delete_tree(dir)
-    if local_tmp.exists():
+    if os.path.lexists(local_tmp):
         log.warning("removing '%s': the working folder of an interrupted save", tmp)
         storage.delete_tree(tmp)
     with writing(local_tmp):
-        local_tmp.mkdir(parents=True)
+        local_tmp.mkdir()
     token = uuid.uuid4().hex
-    storage.write_bytes(storage.join(tmp, PROBE_PREFIX + token), b"")
+    storage.write_bytes(storage.join(tmp, PROBE_PREFIX + token), b"", make_parents=False)
     return token
+
+
+def delete_checkpoint(storage: Storage, path: str) -> None:
+    """Delete a checkpoint folder (committed or not, or a `-tmp` working folder), commit
+    record first. On a filesystem the deletion locks the step first (`step_lock.py`): the
+    folders of a save still running are never deleted (`ConcurrentSaveError`), those of a
+    crashed one are. Called on: one process."""
+    with _deletion_lock(storage, path):
+        storage.delete_tree(path, first=[METADATA_FILE])
+
+
+@contextmanager
+def _deletion_lock(storage: Storage, path: str) -> Iterator[None]:
+    """Hold the step lock of `path` (a step folder or its `-tmp`) on a filesystem; nothing on
+    object stores (their deletions take the claim: `claim.delete_uncommitted`)."""
+    local = storage.local_path(path) if storage.atomic_rename else None
+    if local is None or not local.parent.is_dir():
+        yield  # object store, or nothing there to delete
+        return
+    lock = StepLock(local.parent / target_name(local.name), f"deletion of '{path}'")
+    if not lock.take():
+        raise ConcurrentSaveError(
+            f"not deleting '{path}': {lock.folder.name} is locked by a running save or "
+            f"deletion ({lock.holder()}), so it is no leftover. Delete it after that one ends"
+        )
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 # -- object stores -----------------------------------------------------------------------------
@@ -384,6 +454,7 @@ def _write_records(
         storage.join(folder, MANIFEST_FILE),
         manifest.to_json(),
         overwrite=storage.atomic_rename,  # object stores: create-only, like every object
+        make_parents=False,  # never into a recreated copy of a folder deleted under the save
     )
     _check_complete(storage, folder, manifest)
     if before_commit is not None:
@@ -393,6 +464,7 @@ def _write_records(
         storage.join(folder, METADATA_FILE),
         CheckpointMetadata(ephemeral=req.ephemeral).to_json(),
         overwrite=req.overwrite or storage.atomic_rename,
+        make_parents=False,
     )
 
 

@@ -1,14 +1,18 @@
-"""Test-only fault points: SIGKILL this process at a named step of the commit protocol.
+"""Test-only fault points: SIGKILL this process at a named step of the commit protocol, or run
+a hook there.
 
 Crash tests set `TRAINCKPT_FAULT_POINT` to one of `POINTS` in the process they want to kill; the
-protocol calls `fault_point(name)` at each of those steps. Without the variable (always, outside
-tests) a fault point is one dictionary lookup and does nothing.
+protocol calls `fault_point(name)` at each of those steps. In-process tests can instead run a
+hook at a point (`on_fault_point`). Without either (always, outside tests) a fault point is two
+dictionary lookups and does nothing.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 ENV_VAR = "TRAINCKPT_FAULT_POINT"
 
@@ -23,11 +27,31 @@ POINTS = (
 )
 
 
+_hooks: dict[str, Callable[[], None]] = {}
+
+
 def fault_point(name: str) -> None:
-    """Kill this process with SIGKILL when `TRAINCKPT_FAULT_POINT` names `name`.
+    """Kill this process with SIGKILL when `TRAINCKPT_FAULT_POINT` names `name`; run the hook
+    a test set for `name` with `on_fault_point`, if any.
 
     SIGKILL cannot be caught: no `finally`, no atexit, no flush runs, as in a power cut of one
     process. Called on: whichever rank reaches that step.
     """
     if os.environ.get(ENV_VAR) == name:
         os.kill(os.getpid(), signal.SIGKILL)
+    hook = _hooks.get(name)
+    if hook is not None:
+        hook()
+
+
+@contextmanager
+def on_fault_point(name: str, hook: Callable[[], None]) -> Iterator[None]:
+    """Test-only: run `hook` in this process each time the protocol reaches point `name`
+    (e.g. delete a working folder at a known moment), until the block ends."""
+    if name not in POINTS:
+        raise ValueError(f"unknown fault point {name!r}; known: {POINTS}")
+    _hooks[name] = hook
+    try:
+        yield
+    finally:
+        _hooks.pop(name, None)

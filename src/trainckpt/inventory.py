@@ -80,7 +80,10 @@ def scan_folder(folder: str) -> tuple[str, list[FolderEntry]]:
             tmp = True
         if step is None:
             continue
-        entry = _describe_entry(storage, storage.join(path, name), name, step, tmp)
+        try:
+            entry = _describe_entry(storage, storage.join(path, name), name, step, tmp)
+        except CheckpointNotFoundError:  # gone since the listing (a save renamed its -tmp)
+            continue
         if entry.state == "uncommitted" and layout.is_torchtitan_name(name):
             continue  # a checkpoint torchtitan wrote: neither ours to list nor to prune
         entries.append(entry)

@@ -63,6 +63,17 @@ def tmp_name(name: str) -> str:
     return name + TMP_SUFFIX
 
 
+def target_name(name: str) -> str:
+    """Name of the checkpoint folder that `name` is (or, for a `-tmp` folder, is written for)."""
+    return name.removesuffix(TMP_SUFFIX)
+
+
+def lock_name(name: str) -> str:
+    """Local/NFS: name of the lock file beside checkpoint folder `name` that the save (or
+    deletion) of it holds (`step_lock.py`); a hidden file, removed when released."""
+    return f".{name}.lock"
+
+
 def is_safe_relpath(rel: str) -> bool:
     """True when `rel` stays inside the checkpoint folder (no `..`, not absolute, no backslash)."""
     if not rel or rel.startswith("/") or "\\" in rel or ":" in rel.split("/", 1)[0]:

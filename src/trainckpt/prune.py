@@ -106,8 +106,8 @@ def apply_prune(
 ) -> None:
     """Delete `plan.to_delete`, oldest first, each commit record first. An uncommitted
     leftover on an object store that a save in progress turns out to own (or that got
-    committed meanwhile) is kept and passed to `on_kept`. Called on: one process (never while
-    a training run is saving into a local folder: its `-tmp` would be deleted)."""
+    committed meanwhile) is kept and passed to `on_kept`; so is a local `-tmp` whose save is
+    still running (it holds the step lock). Called on: one process."""
     storage, _ = resolve(plan.folder)
     for entry in plan.to_delete:
         if entry.state == "committed":

@@ -119,10 +119,15 @@ class Storage(ABC):
 
     # -- writing -----------------------------------------------------------------------------
     @abstractmethod
-    def write_bytes(self, location: str, data: bytes, *, overwrite: bool = True) -> None:
+    def write_bytes(
+        self, location: str, data: bytes, *, overwrite: bool = True, make_parents: bool = True
+    ) -> None:
         """Write a whole file atomically and durably: readers see the old bytes or the new,
         never a part. With `overwrite=False` an existing file raises `FileExistsError` and is
-        left as it was (a precondition on object stores, not a check-then-write)."""
+        left as it was (a precondition on object stores, not a check-then-write). On a
+        filesystem, missing parent folders are created unless `make_parents=False`; then a
+        missing folder raises `FileNotFoundError` (a commit record is never written into a
+        recreated copy of a folder deleted under a save). Object stores have no folders."""
 
     @abstractmethod
     def upload(self, local: Path, location: str, *, overwrite: bool = True) -> None:

@@ -130,7 +130,9 @@ class GCSStorage(RemoteStorage):
             )
 
     # -- writing -----------------------------------------------------------------------------
-    def write_bytes(self, location: str, data: bytes, *, overwrite: bool = True) -> None:
+    def write_bytes(
+        self, location: str, data: bytes, *, overwrite: bool = True, make_parents: bool = True
+    ) -> None:
         local = FileEntry(size=len(data), crc32c=crc32c_bytes(data))
         self._upload(
             location,

@@ -122,7 +122,9 @@ class HTTPStorage(RemoteStorage):
         return response
 
     # -- writing: refused ----------------------------------------------------------------------
-    def write_bytes(self, location: str, data: bytes, *, overwrite: bool = True) -> None:
+    def write_bytes(
+        self, location: str, data: bytes, *, overwrite: bool = True, make_parents: bool = True
+    ) -> None:
         raise self._read_only(location)
 
     def upload(self, local: Path, location: str, *, overwrite: bool = True) -> None:

@@ -10,13 +10,14 @@ are shared with the DCP shard writer, which writes local files on its own.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, StorageError
 from .base import Listing, Storage
@@ -106,6 +107,9 @@ def _file_in_the_way(path: Path) -> Path | None:
     return None
 
 
+log = logging.getLogger(__name__)
+
+
 def fsync_dir(path: Path) -> None:
     """Make a folder's entries (created, renamed or removed children) durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -113,6 +117,21 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _under(root: Path, location: str) -> bool:
+    """True when the folder holding `location` is `root` or below it, links resolved."""
+    real_root = os.path.realpath(root)
+    parent = os.path.realpath(os.path.dirname(location))
+    return parent == real_root or parent.startswith(real_root + os.sep)
+
+
+def _ignore_vanished(func: Any, path: str, exc_info: Any) -> None:
+    """`shutil.rmtree` error handler: what is already gone is fine, anything else raises."""
+    error = exc_info[1]
+    if isinstance(error, FileNotFoundError):
+        return
+    raise write_failure(path, error, verb="delete") from error
 
 
 class LocalStorage(Storage):
@@ -164,6 +183,8 @@ class LocalStorage(Storage):
             raise CheckpointNotFoundError(f"folder '{location}' does not exist")
 
         def fail(e: OSError) -> None:
+            if isinstance(e, FileNotFoundError):
+                return  # a folder deleted since its parent was read
             raise read_failure(e.filename or location, e) from e
 
         out: dict[str, int] = {}
@@ -171,7 +192,10 @@ class LocalStorage(Storage):
             for dirpath, _dirnames, filenames in os.walk(root, onerror=fail):
                 for fname in filenames:
                     p = Path(dirpath) / fname
-                    out[p.relative_to(root).as_posix()] = p.stat().st_size
+                    try:
+                        out[p.relative_to(root).as_posix()] = p.stat().st_size
+                    except FileNotFoundError:  # deleted since the folder was read, or a dead link
+                        continue
         return out
 
     def size(self, location: str) -> int:
@@ -198,10 +222,13 @@ class LocalStorage(Storage):
         return Path(location)
 
     # -- writing -----------------------------------------------------------------------------
-    def write_bytes(self, location: str, data: bytes, *, overwrite: bool = True) -> None:
+    def write_bytes(
+        self, location: str, data: bytes, *, overwrite: bool = True, make_parents: bool = True
+    ) -> None:
         target = Path(location)
         with writing(target):
-            target.parent.mkdir(parents=True, exist_ok=True)
+            if make_parents:  # else a vanished folder is CheckpointNotFoundError (`writing`)
+                target.parent.mkdir(parents=True, exist_ok=True)
             tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.tmp")
             try:
                 with open(tmp, "wb") as f:
@@ -258,8 +285,27 @@ class LocalStorage(Storage):
             if os.path.isdir(parent):
                 fsync_dir(Path(parent))
 
+    def delete_tree(self, location: str, first: Iterable[str] = ()) -> None:
+        """As `Storage.delete_tree`, and never through a symbolic link: when `location` is one,
+        only the link is removed; links inside are removed as links, and a file in `first` is
+        deleted only where no link leads out of `location` on the way."""
+        root = Path(location)
+        if root.is_symlink():
+            log.warning(
+                "'%s' is a symbolic link (to '%s'): removing the link only, never what it "
+                "points to",
+                location,
+                os.readlink(root),
+            )
+            root.unlink(missing_ok=True)
+            fsync_dir(root.parent)
+            return
+        inside = [rel for rel in first if _under(root, self.join(location, rel))]
+        super().delete_tree(location, first=inside)
+
     def _remove_empty_dirs(self, location: str) -> None:
-        shutil.rmtree(location, ignore_errors=True)
+        # what `list_files` left: folders, and links to folders (removed as links)
+        shutil.rmtree(location, onerror=_ignore_vanished)
 
     def rename_dir(self, src: str, dst: str) -> None:
         try:

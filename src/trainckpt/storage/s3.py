@@ -177,7 +177,9 @@ class S3Storage(RemoteStorage):
         return super().local_copy(location, cache_dir)
 
     # -- writing -----------------------------------------------------------------------------
-    def write_bytes(self, location: str, data: bytes, *, overwrite: bool = True) -> None:
+    def write_bytes(
+        self, location: str, data: bytes, *, overwrite: bool = True, make_parents: bool = True
+    ) -> None:
         self._put(location, data, overwrite)
 
     def upload(self, local: Path, location: str, *, overwrite: bool = True) -> None:
