@@ -96,8 +96,9 @@ def delete_leftover(storage: Storage, dir: str) -> bool:
         return claims.delete_uncommitted(storage, dir)
     try:
         with _deletion_lock(storage, dir):
-            if is_committed(storage, dir):  # a save that held the lock committed it meanwhile
-                return False
+            name = storage.name(dir)
+            if target_name(name) == name and is_committed(storage, dir):
+                return False  # a save that held the lock committed it meanwhile
             storage.delete_tree(dir, first=[METADATA_FILE])
     except ConcurrentSaveError as e:
         log.info("keeping '%s': %s", dir, e)
