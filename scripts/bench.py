@@ -42,7 +42,7 @@ from bench_train import LABELS as TRAIN_LABELS  # noqa: E402
 from bench_train import PEERS as TRAIN_PEERS  # noqa: E402
 from bench_train import bench_training  # noqa: E402
 
-from trainckpt import Checkpointer, CheckpointerConfig, ModelAndOptim  # noqa: E402
+from trainckpt import Checkpointer, CheckpointerConfig, ModelAndOptim, item_record  # noqa: E402
 
 TRAIN_STATE = {"step": 1, "note": "bench"}
 CONTENDERS = ("raw", "torch", "dcp", "olmo", "trainckpt", "async", "overlap")
@@ -256,18 +256,29 @@ def run(
 
 
 def async_matches_sync(module: ModelAndOptim, ckpt: Checkpointer, root: Path) -> bool:
-    """Save once with `save` and once with `save_async`: every file but DCP's `.metadata`
-    (which holds a random save id and the folder's path) must have equal size and CRC32C."""
+    """Save once with `save` and once with `save_async`: the same files, with equal size and
+    CRC32C, except DCP's `.metadata` (a random save id and the folder's path) and the record
+    at the end of each shard (the same save id): there, the items (offset, length, CRC32C)."""
     a, b = root / "cmp-sync" / "step1", root / "cmp-async" / "step1"
     ckpt.save(a, module, TRAIN_STATE)
     ckpt.save_async(b, module, TRAIN_STATE).result()
-    files = []
-    for folder in (a, b):
-        manifest = json.loads((folder / ".manifest.json").read_text())["files"]
-        files.append({k: v for k, v in manifest.items() if not k.endswith("/.metadata")})
+    files = [_comparable(a), _comparable(b)]
     shutil.rmtree(a.parent)
     shutil.rmtree(b.parent)
     return files[0] == files[1] and len(files[0]) > 1
+
+
+def _comparable(folder: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for rel, entry in json.loads((folder / ".manifest.json").read_text())["files"].items():
+        if rel.endswith("/.metadata"):
+            continue
+        if rel.endswith(".distcp"):
+            with open(folder / rel, "rb") as f:
+                out[rel] = item_record.read(f, rel).items
+        else:
+            out[rel] = entry
+    return out
 
 
 # -- reporting ---------------------------------------------------------------------------------
