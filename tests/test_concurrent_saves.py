@@ -41,6 +41,7 @@ from trainckpt import (
 from trainckpt.cli import main as cli_main
 from trainckpt.faults import on_fault_point
 from trainckpt.retention import Remover
+from trainckpt.step_lock import StepLock
 
 pytestmark = pytest.mark.slow
 
@@ -250,3 +251,21 @@ def test_crash_leftover_is_cleared_by_prune_and_by_the_next_save(launcher, tmp_p
     assert finish(proc) == 0
     assert check_checkpoints(folder) == [4, 5]
     assert _leftovers(folder) == []
+
+
+def test_prune_and_retention_keep_a_checkpoint_a_save_overwrite_is_replacing(tmp_path, checker):
+    """While a save of step 1 holds the step lock (here: taken directly, as `save_overwrite`
+    of a committed step1 holds it), neither prune nor retention deletes step1."""
+    folder = tmp_path / "run"
+    for step in (1, 2, 3):
+        checker.save(str(folder / f"step{step}"), reference(step), trainer_state(step))
+    lock = StepLock(folder / "step1", "save of step1 (test)")
+    assert lock.take()
+    try:
+        assert cli_main(["prune", str(folder), "-k", "1"]) == 0
+        policy = CheckpointPolicy(remove="all_non_permanent", max_checkpoints=1)
+        assert Remover(str(folder), policy).run_round() == []  # step2 went with prune
+    finally:
+        lock.release()
+    assert [s for s, _ in Checkpointer.find_checkpoints(folder)] == [1, 3]
+    check_checkpoint(str(folder / "step1"), 1, tmp_path / "check")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .checkpointer import Checkpointer
 from .commit import delete_leftover
-from .errors import CheckpointNotFoundError, ConfigurationError
+from .errors import CheckpointNotFoundError, ConcurrentSaveError, ConfigurationError
 from .inventory import FolderEntry
 from .storage import resolve
 
@@ -106,12 +106,17 @@ def apply_prune(
 ) -> None:
     """Delete `plan.to_delete`, oldest first, each commit record first. An uncommitted
     leftover on an object store that a save in progress turns out to own (or that got
-    committed meanwhile) is kept and passed to `on_kept`; so is a local `-tmp` whose save is
-    still running (it holds the step lock). Called on: one process."""
+    committed meanwhile) is kept and passed to `on_kept`; so is a local folder whose step a
+    save still running holds the lock of (its `-tmp`, or the checkpoint a `save_overwrite`
+    replaces). Called on: one process."""
     storage, _ = resolve(plan.folder)
     for entry in plan.to_delete:
         if entry.state == "committed":
-            Checkpointer.delete(entry.path)
+            try:
+                Checkpointer.delete(entry.path)
+            except ConcurrentSaveError:  # a save_overwrite of this step holds its lock
+                on_kept(entry)
+                continue
         elif not delete_leftover(storage, entry.path):
             on_kept(entry)
             continue

@@ -18,7 +18,7 @@ from typing import Any
 from . import finders, layout
 from .checkpointer import Checkpointer
 from .commit import delete_leftover, is_committed
-from .errors import CheckpointError
+from .errors import CheckpointError, ConcurrentSaveError
 from .policy import CheckpointInfo, CheckpointPolicy, Leftover
 from .records import read_manifest
 from .storage import resolve
@@ -149,7 +149,11 @@ class Remover:
             log.info(
                 "checkpoint event: delete %s '%s' (no longer kept by the policy)", kind, ckpt.path
             )
-            Checkpointer.delete(ckpt.path)
+            try:
+                Checkpointer.delete(ckpt.path)
+            except ConcurrentSaveError as e:  # a save_overwrite of this step holds its lock
+                log.info("keeping '%s': %s", ckpt.path, e)
+                continue
             self._cache.forget(ckpt.path)
             deleted.append(ckpt.path)
         storage, _ = resolve(self.folder)
