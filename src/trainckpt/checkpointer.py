@@ -28,6 +28,7 @@ from .futures import CallbacksFirstFuture
 from .records import CheckpointManifest, CheckpointMetadata, FileEntry, crc32c_bytes, crc32c_file
 from .staging import Stager, StreamMark
 from .storage import LocalStorage, Storage, StorageOptions, resolve
+from .storage.local import writing
 from .train_module import TrainModule
 from .trainer_state import deserialize_trainer_state, serialize_trainer_state
 from .upload_turns import run_in_turns
@@ -79,7 +80,8 @@ class Checkpointer:
 
     def __post_init__(self) -> None:
         self.work_dir = Path(self.work_dir)
-        self.work_dir.mkdir(parents=True, exist_ok=True)
+        with writing(self.work_dir):  # a raw OSError here would name no setting
+            self.work_dir.mkdir(parents=True, exist_ok=True)
         if self.process_group is None:
             self.process_group = dist.new_cpu_group(self.collective_timeout)
         else:
