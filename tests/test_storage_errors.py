@@ -247,6 +247,16 @@ def test_save_folder_that_is_a_file(tmp_path: Path, ckpt: Checkpointer):
     assert afile.read_text() == "not a folder"
 
 
+def test_work_dir_that_is_a_file(tmp_path: Path):
+    afile = tmp_path / "scratch"
+    afile.write_text("not a folder")
+    for work_dir in (afile, afile / "sub"):
+        with pytest.raises(StorageError) as info:
+            CheckpointerConfig(work_dir=str(work_dir)).build()
+        assert f"'{afile}' is a file, not a folder" in str(info.value)
+    assert afile.read_text() == "not a folder"
+
+
 # -- a file-size limit (any user) ------------------------------------------------------------------
 
 SAVE_LIMITED = """
