@@ -1,10 +1,19 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh), lint, type-check and run the whole test suite. Extra arguments go
-# to pytest, e.g. `bash scripts/test.sh -k gcs -x`.
+# Set up (scripts/setup.sh), lint, type-check and run the whole test suite, one pytest-xdist
+# worker per core (at most 4; TEST_WORKERS overrides). Extra arguments go to pytest, e.g.
+# `bash scripts/test.sh -k gcs -x`; `-n 0` runs the tests serially in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export NO_GCE_CHECK=true
 .venv/bin/ruff check src tests scripts
 .venv/bin/mypy
-.venv/bin/python -m pytest -q "$@"
+cores=$(nproc 2>/dev/null || echo 2)
+workers=${TEST_WORKERS:-$((cores < 4 ? cores : 4))}
+# --dist loadfile: a file's tests stay on one worker, so its module fixtures are built once.
+status=0
+.venv/bin/python -m pytest -q -n "$workers" --dist loadfile "$@" || status=$?
+if [ "$status" -eq 5 ]; then
+  echo "test.sh: pytest collected no tests (exit code 5); that is a failure, not a pass" >&2
+fi
+exit "$status"
