@@ -9,7 +9,6 @@ os.environ.setdefault("NO_GCE_CHECK", "true")  # before google.auth is imported 
 from s3_server import s3_bucket, s3_proxy, s3_server  # noqa: E402,F401
 from servers import gcs_bucket, gcs_server, http_folder, http_server  # noqa: E402,F401
 
-
 # Files that take minutes each. They are collected first so that, under pytest-xdist
 # (`--dist loadfile --no-loadscope-reorder`, as scripts/test.sh runs it), the workers start on
 # them and finish together, instead of one worker picking up a long file at the end. Only the
