@@ -10,9 +10,10 @@ export NO_GCE_CHECK=true
 .venv/bin/mypy
 cores=$(nproc 2>/dev/null || echo 2)
 workers=${TEST_WORKERS:-$((cores < 4 ? cores : 4))}
-# --dist loadfile: a file's tests stay on one worker, so its module fixtures are built once.
+# --dist loadfile: a file's tests stay on one worker, so its module fixtures are built once;
+# --no-loadscope-reorder: files go out in collection order (tests/conftest.py puts the slow first).
 status=0
-.venv/bin/python -m pytest -q -n "$workers" --dist loadfile "$@" || status=$?
+.venv/bin/python -m pytest -q -n "$workers" --dist loadfile --no-loadscope-reorder "$@" || status=$?
 if [ "$status" -eq 5 ]; then
   echo "test.sh: pytest collected no tests (exit code 5); that is a failure, not a pass" >&2
 fi

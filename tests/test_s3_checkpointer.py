@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from crash_worker import CLAIM_LEASE
 from models import assert_same_state, fresh_module, make_module
 from s3_server import MotoS3, S3Proxy
 
@@ -196,7 +197,9 @@ def test_crashed_save_is_ignored_then_cleared_by_the_next_save(
         f"""
         from models import make_module
         from trainckpt import CheckpointerConfig
-        ckpt = CheckpointerConfig(work_dir={str(tmp_path / "crash")!r}).build()
+        ckpt = CheckpointerConfig(
+            work_dir={str(tmp_path / "crash")!r}, claim_lease={CLAIM_LEASE!r}
+        ).build()
         ckpt.save({run + "/step2"!r}, make_module(seed=9), {{"step": 2}})
         """
     )
