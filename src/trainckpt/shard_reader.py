@@ -9,17 +9,20 @@ copy into the target release the GIL. The planner is only called under a lock.
 Given the id of the save that wrote the checkpoint (`save_id`, from `.metadata`), every shard
 file this rank reads has its item record read and checked first (it must name that file and that
 save), before any item is loaded; then each item's bytes are checked against their recorded
-CRC32C once in memory, before they are deserialized (`item_record`).
+CRC32C once in memory, before they are deserialized (`item_record`); the tensor is then built on
+those checked bytes in place (`_load_checked`), so a checked load copies each byte as often as an
+unchecked one: from the file into memory, from memory into the model.
 """
 
 from __future__ import annotations
 
 import io
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -107,15 +110,23 @@ class ParallelReader(FileSystemReader):
                 stream, path = streams[info.relative_path]
                 file_slice = self._slice_file(stream, info)
                 record = records.get(info.relative_path)
+                checked = None
                 if record is not None:
-                    data = buffer.read(file_slice, info.length)
-                    record.check_item(path, info.offset, data, f"item '{req.storage_index.fqn}'")
-                    file_slice = _MemoryReader(data)  # type: ignore[assignment]
-                self._read_item(req, file_slice, planner, lock)
+                    checked = buffer.read(file_slice, info.length)
+                    record.check_item(path, info.offset, checked, f"item '{req.storage_index.fqn}'")
+                    file_slice = _MemoryReader(checked)  # type: ignore[assignment]
+                self._read_item(req, file_slice, planner, lock, checked)
 
     def _read_item(
-        self, req: ReadItem, file_slice: IO[bytes], planner: LoadPlanner, lock: threading.Lock
+        self,
+        req: ReadItem,
+        file_slice: IO[bytes],
+        planner: LoadPlanner,
+        lock: threading.Lock,
+        checked: bytes | memoryview | None = None,
     ) -> None:
+        """Load one item into the planner's target; `checked` is its bytes, already checked,
+        when `file_slice` reads from them."""
         info = self.storage_data[req.storage_index]
         data = self.transforms.transform_load_stream(
             req, info.transform_descriptors or (), file_slice
@@ -125,8 +136,11 @@ class ParallelReader(FileSystemReader):
             with lock:
                 planner.load_bytes(req, raw)
             return
-        seekable = data if data.seekable() else io.BytesIO(data.read(-1))
-        tensor = torch.load(seekable, map_location="cpu", weights_only=True)
+        if checked is not None and data is file_slice:  # no storage extension transformed it
+            tensor = _load_checked(checked)
+        else:
+            seekable = data if data.seekable() else io.BytesIO(data.read(-1))
+            tensor = torch.load(seekable, map_location="cpu", weights_only=True)
         tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
         with lock:
             target = planner.resolve_tensor(req).detach()
@@ -138,6 +152,42 @@ class ParallelReader(FileSystemReader):
         target.copy_(tensor)
         with lock:
             planner.commit_tensor(req, target)
+
+
+def _load_checked(data: bytes | memoryview) -> torch.Tensor:
+    """The tensor `torch.save`d in `data`, on the CPU, its storage the bytes of `data` (no copy:
+    valid while `data` is). `torch.load(weights_only=True)` onto the meta device reads only the
+    pickle (shape, strides, dtype, and where in `data` the storage's bytes start); the tensor is
+    then a view of those bytes. Anything else (a read-only buffer, bytes in the other byte
+    order, a storage past the end of `data`) is loaded by `torch.load` into its own memory."""
+    meta = torch.load(_in_memory(data), map_location="meta", weights_only=True)
+    storage = meta.untyped_storage()
+    offset = getattr(storage, "_checkpoint_offset", None)
+    nbytes = storage.nbytes()
+    view = memoryview(data)
+    if (
+        type(meta) is not torch.Tensor
+        or meta.layout != torch.strided
+        or meta.is_quantized
+        or not isinstance(offset, int)
+        or nbytes == 0
+        or offset < 0
+        or offset + nbytes > len(view)
+        or view.readonly  # torch.frombuffer wants a writable buffer (it never writes here)
+        or _byteorder(data) != sys.byteorder
+    ):
+        return torch.load(_in_memory(data), map_location="cpu", weights_only=True)
+    flat = torch.frombuffer(view, dtype=torch.uint8, count=nbytes, offset=offset)
+    return flat.view(meta.dtype).as_strided(meta.size(), meta.stride(), meta.storage_offset())
+
+
+def _byteorder(data: bytes | memoryview) -> str:
+    """The byte order `torch.save` recorded in `data` (files without the record are
+    little-endian, as `torch.load` assumes)."""
+    reader = torch._C.PyTorchFileReader(_in_memory(data))
+    if "byteorder" not in reader.get_all_records():
+        return "little"
+    return bytes(reader.get_record("byteorder")).decode()
 
 
 class _ItemBuffer:
@@ -187,6 +237,10 @@ class _MemoryReader(io.RawIOBase):
         buffer[:n] = self._data[self._pos : self._pos + n]
         self._pos += n
         return n
+
+
+def _in_memory(data: bytes | memoryview) -> IO[bytes]:
+    return cast(IO[bytes], _MemoryReader(data))
 
 
 def _split_runs(
