@@ -80,6 +80,11 @@ class Checkpointer:
 
     def __post_init__(self) -> None:
         self.work_dir = Path(self.work_dir)
+        if self.work_dir.exists() and not self.work_dir.is_dir():
+            raise StorageError(
+                f"work_dir '{self.work_dir}' is a file, not a folder; set work_dir to a folder "
+                "on the local disk (it holds staging files and downloads)"
+            )
         with writing(self.work_dir):  # a raw OSError here would name no setting
             self.work_dir.mkdir(parents=True, exist_ok=True)
         if self.process_group is None:

@@ -39,8 +39,6 @@ def write_failure(path: str | Path, e: OSError, verb: str = "write") -> StorageE
     """The `StorageError` for a failed write (or `verb`: delete, rename) of `path`: what
     failed and what to do."""
     blocker = _file_in_the_way(Path(path))
-    if blocker is None and e.errno == errno.EEXIST and not Path(path).is_dir():
-        blocker = Path(path)  # creating a folder where a file is
     if blocker is not None:
         return StorageError(
             f"cannot {verb} '{path}': '{blocker}' is a file, not a folder; "
