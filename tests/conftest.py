@@ -6,8 +6,14 @@ import os
 
 os.environ.setdefault("NO_GCE_CHECK", "true")  # before google.auth is imported anywhere
 
+from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
 from s3_server import s3_bucket, s3_proxy, s3_server  # noqa: E402,F401
 from servers import gcs_bucket, gcs_server, http_folder, http_server  # noqa: E402,F401
+
+from trainckpt import Checkpointer, CheckpointerConfig  # noqa: E402
 
 # Files that take minutes each. They are collected first so that, under pytest-xdist
 # (`--dist loadfile --no-loadscope-reorder`, as scripts/test.sh runs it), the workers start on
@@ -32,3 +38,12 @@ SLOW_FILES = (
 def pytest_collection_modifyitems(items: list) -> None:
     rank = {name: i for i, name in enumerate(SLOW_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))  # stable
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Iterator[Checkpointer]:
+    """A Checkpointer with default settings and its work_dir under the test's folder (files that
+    need other settings override this fixture)."""
+    c = CheckpointerConfig(work_dir=tmp_path / "work").build()
+    yield c
+    c.close()

@@ -29,13 +29,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 @pytest.fixture
-def ckpt(tmp_path: Path):
-    c = CheckpointerConfig(work_dir=tmp_path / "work").build()
-    yield c
-    c.close()
-
-
-@pytest.fixture
 def saved(ckpt, tmp_path: Path) -> Path:
     return Path(ckpt.save(tmp_path / "run" / "step2", make_module(), {"step": 2}))
 

@@ -86,13 +86,6 @@ def run(template: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(template, tmp_path / "run"))
 
 
-@pytest.fixture
-def ckpt(tmp_path: Path):
-    c = CheckpointerConfig(work_dir=tmp_path / "work").build()
-    yield c
-    c.close()
-
-
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(TRAINCKPT), *args], capture_output=True, text=True, timeout=300, check=False

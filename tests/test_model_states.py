@@ -131,13 +131,6 @@ def _assert_same(a: ModelAndStates, b: ModelAndStates, *, optim: bool = True) ->
                 assert oa[k] == ob[k], k
 
 
-@pytest.fixture
-def ckpt(tmp_path: Path):
-    c = CheckpointerConfig(work_dir=tmp_path / "work").build()
-    yield c
-    c.close()
-
-
 def test_layout_is_torchtitans_and_roundtrips(ckpt, tmp_path):
     src, _, _, _ = _build(0, steps=3)
     path = ckpt.save(tmp_path / "step3", src, {})

@@ -70,13 +70,6 @@ def tmpfs(tmp_path: Path) -> Iterator[Tmpfs]:
         fs.umount()
 
 
-@pytest.fixture
-def ckpt(tmp_path: Path):
-    c = CheckpointerConfig(work_dir=tmp_path / "work").build()
-    yield c
-    c.close()
-
-
 def assert_write_error(error: BaseException, path: Path, *advice: str) -> None:
     text = str(error)
     assert isinstance(error, StorageError), repr(error)

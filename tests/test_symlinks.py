@@ -20,13 +20,6 @@ from trainckpt.retention import Remover
 
 
 @pytest.fixture
-def ckpt(tmp_path: Path) -> Iterator[Checkpointer]:
-    c = CheckpointerConfig(work_dir=tmp_path / "work").build()
-    yield c
-    c.close()
-
-
-@pytest.fixture
 def overwriting(tmp_path: Path) -> Iterator[Checkpointer]:
     c = CheckpointerConfig(work_dir=tmp_path / "work", save_overwrite=True).build()
     yield c

@@ -19,13 +19,6 @@ from trainckpt import (
 )
 
 
-@pytest.fixture
-def ckpt(tmp_path: Path):
-    c = CheckpointerConfig(work_dir=tmp_path / "work").build()
-    yield c
-    c.close()
-
-
 def _two_stages(seed: int) -> ModelAndOptim:
     """TinyNet split into two pipeline stages that keep the original parameter names."""
     torch.manual_seed(seed)

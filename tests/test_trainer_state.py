@@ -24,13 +24,6 @@ from trainckpt import CheckpointerConfig, InvalidTrainStateError, UnsafeCheckpoi
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-@pytest.fixture
-def ckpt(tmp_path: Path):
-    c = CheckpointerConfig(work_dir=tmp_path / "work").build()
-    yield c
-    c.close()
-
-
 def _numpy_state() -> dict[str, Any]:
     return {
         "rng": np.random.get_state(),
