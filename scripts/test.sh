@@ -13,7 +13,10 @@ workers=${TEST_WORKERS:-$((cores < 4 ? cores : 4))}
 # --dist loadfile: a file's tests stay on one worker, so its module fixtures are built once;
 # --no-loadscope-reorder: files go out in collection order (tests/conftest.py puts the slow first).
 status=0
-.venv/bin/python -m pytest -q -n "$workers" --dist loadfile --no-loadscope-reorder "$@" || status=$?
+# --max-worker-restart 0: a worker that dies (a native crash) fails the run at once, naming the
+# test; pytest-xdist 3.8's loadfile scheduler can otherwise deadlock after replacing the worker.
+.venv/bin/python -m pytest -q -n "$workers" --dist loadfile --no-loadscope-reorder \
+  --max-worker-restart 0 "$@" || status=$?
 if [ "$status" -eq 5 ]; then
   echo "test.sh: pytest collected no tests (exit code 5); that is a failure, not a pass" >&2
 fi
