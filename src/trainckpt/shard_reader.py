@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from . import item_record
+from .storage.ranged import RangeReader
 
 
 class ParallelReader(FileSystemReader):
@@ -114,7 +115,7 @@ class ParallelReader(FileSystemReader):
                 if record is not None:
                     checked = buffer.read(file_slice, info.length)
                     record.check_item(path, info.offset, checked, f"item '{req.storage_index.fqn}'")
-                    file_slice = _MemoryReader(checked)  # type: ignore[assignment]
+                    file_slice = _in_memory(checked)
                 self._read_item(req, file_slice, planner, lock, checked)
 
     def _read_item(
@@ -210,37 +211,10 @@ class _ItemBuffer:
         return view[:got]
 
 
-class _MemoryReader(io.RawIOBase):
-    """A seekable file over bytes in memory, without copying them (`io.BytesIO` would)."""
-
-    def __init__(self, data: bytes | memoryview) -> None:
-        super().__init__()
-        self._data = memoryview(data)
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._data)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        n = max(0, min(len(buffer), len(self._data) - self._pos))
-        buffer[:n] = self._data[self._pos : self._pos + n]
-        self._pos += n
-        return n
-
-
 def _in_memory(data: bytes | memoryview) -> IO[bytes]:
-    return cast(IO[bytes], _MemoryReader(data))
+    """A seekable file over bytes in memory, without copying them (`io.BytesIO` would)."""
+    view = memoryview(data)
+    return cast(IO[bytes], RangeReader("<checked item>", len(view), lambda s, e: view[s:e]))
 
 
 def _split_runs(

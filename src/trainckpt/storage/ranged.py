@@ -9,7 +9,7 @@ from __future__ import annotations
 import io
 from collections.abc import Callable
 
-Fetch = Callable[[int, int], bytes]
+Fetch = Callable[[int, int], "bytes | memoryview"]
 """Returns bytes `[start, end)` of the remote file."""
 
 
@@ -39,7 +39,7 @@ class RangeReader(io.RawIOBase):
         self._pos = base + offset
         return self._pos
 
-    def read_range(self, start: int, length: int) -> bytes:
+    def read_range(self, start: int, length: int) -> bytes | memoryview:
         """Exactly `length` bytes from `start` (fewer only at the end of the file)."""
         end = min(start + length, self.size)
         if end <= start:
@@ -54,4 +54,4 @@ class RangeReader(io.RawIOBase):
         return len(data)
 
     def readall(self) -> bytes:
-        return self.read_range(self._pos, self.size - self._pos)
+        return bytes(self.read_range(self._pos, self.size - self._pos))
