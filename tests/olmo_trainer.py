@@ -101,6 +101,10 @@ class KillDuringSave(Callback):
 
     def post_train_batch(self) -> None:
         if self.step == self.kill_step:
+            # The previous step's async save may still be writing: let it commit first, so the
+            # point fires in this step's save only (the checkpointer callback, which runs next,
+            # waits for it the same way before it saves).
+            self.trainer.callbacks["checkpointer"]._await_last_checkpoint()  # type: ignore[attr-defined]
             os.environ[FAULT_ENV] = self.point
 
 
