@@ -42,7 +42,8 @@ from bench_train import LABELS as TRAIN_LABELS  # noqa: E402
 from bench_train import PEERS as TRAIN_PEERS  # noqa: E402
 from bench_train import bench_training  # noqa: E402
 
-from trainckpt import Checkpointer, CheckpointerConfig, ModelAndOptim, item_record  # noqa: E402
+from trainckpt import Checkpointer, CheckpointerConfig, ModelAndOptim  # noqa: E402
+from trainckpt.format import item_record
 
 TRAIN_STATE = {"step": 1, "note": "bench"}
 CONTENDERS = ("raw", "torch", "dcp", "olmo", "trainckpt", "async", "overlap")

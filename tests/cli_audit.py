@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
-from trainckpt.cli import main
+from trainckpt.cli.main import main
 
 
 def run() -> int:

@@ -190,10 +190,10 @@ def delete_loop(
     rounds (`kind="retention"`, `remove: all_non_permanent`). Puts the number of rounds run
     on `results`."""
     from trainckpt import CheckpointPolicy
+    from trainckpt.cli.inventory import scan_folder
     from trainckpt.errors import CheckpointNotFoundError
-    from trainckpt.inventory import scan_folder
-    from trainckpt.prune import apply_prune, plan_prune
-    from trainckpt.retention import Remover
+    from trainckpt.retention.prune import apply_prune, plan_prune
+    from trainckpt.retention.remover import Remover
 
     os.environ.update(env)
     remover = Remover(folder, CheckpointPolicy(remove="all_non_permanent"))
@@ -263,7 +263,7 @@ def save_steps(
 
 def run_cli(argv: list[str], out: str) -> None:
     """`trainckpt ARGV` in this process; its exit code and output go to `out` as JSON."""
-    from trainckpt.cli import main
+    from trainckpt.cli.main import main
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):

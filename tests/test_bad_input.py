@@ -239,7 +239,7 @@ def _groups(rank: int, world: int, folder: str) -> dict:
     from models import make_module
 
     from trainckpt import CheckpointerConfig, ConfigurationError
-    from trainckpt.dist import check_cpu_group, has_cpu_backend
+    from trainckpt.core.dist import check_cpu_group, has_cpu_backend
 
     gloo = dist.new_group(backend="gloo")
     check_cpu_group(gloo)  # a real gloo group passes

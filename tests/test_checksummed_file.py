@@ -12,9 +12,9 @@ import google_crc32c
 import pytest
 import torch
 
-from trainckpt import checksummed_file as cf
 from trainckpt.errors import StorageError
-from trainckpt.records import crc32c_file
+from trainckpt.storage import checksummed_file as cf
+from trainckpt.storage.checksums import crc32c_file
 
 SIZES = [0, 1, 4095, cf._BUFFER - 1, cf._BUFFER, cf._CHUNK - 1, cf._CHUNK + 1, 2 * cf._CHUNK + 7]
 

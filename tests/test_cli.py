@@ -20,7 +20,7 @@ from models import TinyNet, make_module
 from multiproc import run_ranks
 
 from trainckpt import Checkpointer, CheckpointerConfig
-from trainckpt.inventory import scan_folder
+from trainckpt.cli.inventory import scan_folder
 from trainckpt.storage import resolve
 
 TRAINCKPT = Path(sys.executable).with_name("trainckpt")
@@ -190,7 +190,7 @@ def test_ls_and_latest_errors(template: tuple[Path, dict], tmp_path: Path):
 
 
 def test_debug_and_verbose_flags_work_before_or_after_the_subcommand():
-    from trainckpt.cli import build_parser
+    from trainckpt.cli.main import build_parser
 
     parser = build_parser()
     for argv in (["--debug", "ls", "x"], ["ls", "x", "--debug"], ["ls", "--debug", "x"]):
@@ -471,7 +471,7 @@ def test_timeout_bounds_commands_against_a_dead_endpoint():
     default of a training job (300 s) would keep retrying past this test's own time limit."""
     from servers import free_port
 
-    from trainckpt.cli import DEFAULT_TIMEOUT, build_parser
+    from trainckpt.cli.main import DEFAULT_TIMEOUT, build_parser
 
     env = {**os.environ, "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{free_port()}"}
     folder = "gs://trainckpt-dead/run"
@@ -527,7 +527,7 @@ def test_cli_on_gcs(gcs_bucket: str, tmp_path: Path):
 
 
 def test_human_sizes_and_ages():
-    from trainckpt.cli_output import human_age, human_size, table
+    from trainckpt.cli.output import human_age, human_size, table
 
     assert [human_size(n) for n in (0, 1023, 1024, 9_500_000, 3 * 1024**4)] == [
         "0 B",

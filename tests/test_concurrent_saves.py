@@ -38,10 +38,10 @@ from trainckpt import (
     CheckpointPolicy,
     CorruptCheckpointError,
 )
-from trainckpt.cli import main as cli_main
+from trainckpt.cli.main import main as cli_main
+from trainckpt.core.step_lock import StepLock
 from trainckpt.faults import on_fault_point
-from trainckpt.retention import Remover
-from trainckpt.step_lock import StepLock
+from trainckpt.retention.remover import Remover
 
 pytestmark = pytest.mark.slow
 

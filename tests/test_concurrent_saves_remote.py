@@ -34,8 +34,8 @@ from crash_worker import (
 from s3_server import _ENV as S3_ENV
 
 from trainckpt import CheckpointerConfig, CheckpointExistsError, ConcurrentSaveError
-from trainckpt.claim import Claim, acquire
-from trainckpt.layout import CLAIM_FILE
+from trainckpt.core.claim import Claim, acquire
+from trainckpt.format.layout import CLAIM_FILE
 from trainckpt.storage import Storage, resolve
 
 pytestmark = pytest.mark.slow

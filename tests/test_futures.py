@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from trainckpt.futures import CallbacksFirstFuture
+from trainckpt.core.futures import CallbacksFirstFuture
 
 
 @pytest.mark.parametrize("outcome", ["value", "error"])

@@ -17,7 +17,7 @@ from trainckpt import (
     CheckpointManifest,
     CheckpointNotFoundError,
 )
-from trainckpt.records import crc32c_from_gcs
+from trainckpt.storage.checksums import crc32c_from_gcs
 
 
 @pytest.fixture
@@ -164,9 +164,9 @@ def test_missing_url_raises_file_not_found_naming_it(ckpt, gcs_bucket):
 
 def test_files_upload_while_the_rest_are_still_written(tmp_path, gcs_bucket):
     """Object stores: a file is uploaded as soon as it is written, not after the last one."""
-    from trainckpt.commit import SaveRequest, save_checkpoint, wait_for
-    from trainckpt.records import FileEntry, crc32c_bytes
+    from trainckpt.core.commit import SaveRequest, save_checkpoint, wait_for
     from trainckpt.storage import resolve
+    from trainckpt.storage.checksums import FileEntry, crc32c_bytes
 
     storage, target = resolve(f"{gcs_bucket}/run/step1")
     first_seen_before_second_written = []

@@ -63,7 +63,7 @@ from models import WithExtra
 from servers import StaticHTTPServer
 
 from trainckpt import CheckpointerConfig, UnsafeCheckpointError
-from trainckpt.cli import main as cli_main
+from trainckpt.cli.main import main as cli_main
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),

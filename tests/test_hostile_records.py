@@ -21,14 +21,9 @@ from pathlib import Path
 import pytest
 from models import assert_same_state, fresh_module, make_module
 
-from trainckpt import (
-    Checkpointer,
-    CheckpointerConfig,
-    CheckpointPolicy,
-    CorruptCheckpointError,
-)
-from trainckpt.records import MAX_DCP_METADATA_BYTES, MAX_MANIFEST_BYTES, MAX_METADATA_BYTES
-from trainckpt.retention import Remover
+from trainckpt import Checkpointer, CheckpointerConfig, CheckpointPolicy, CorruptCheckpointError
+from trainckpt.format.records import MAX_DCP_METADATA_BYTES, MAX_MANIFEST_BYTES, MAX_METADATA_BYTES
+from trainckpt.retention.remover import Remover
 from trainckpt.storage import resolve
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -27,7 +27,7 @@ from trainckpt import (
     ModelAndStates,
     UnsafeCheckpointError,
 )
-from trainckpt.dcp import read_dcp_metadata
+from trainckpt.format.dcp_metadata import read_dcp_metadata
 from trainckpt.storage import resolve
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)

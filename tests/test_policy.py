@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from trainckpt import CheckpointPolicy, ConfigurationError
-from trainckpt.policy import CheckpointInfo, Leftover, SaveKind
+from trainckpt.retention.policy import CheckpointInfo, Leftover, SaveKind
 
 P, E = SaveKind.PERMANENT, SaveKind.EPHEMERAL
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from trainckpt.cli.inventory import FolderEntry
 from trainckpt.errors import CheckpointNotFoundError, ConfigurationError
-from trainckpt.inventory import FolderEntry
-from trainckpt.prune import plan_prune
+from trainckpt.retention.prune import plan_prune
 
 
 def entry(name: str, state: str = "committed", ephemeral: bool | None = False) -> FolderEntry:

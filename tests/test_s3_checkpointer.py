@@ -24,8 +24,8 @@ from trainckpt import (
     CheckpointManifest,
     CheckpointNotFoundError,
 )
-from trainckpt.records import crc32c_bytes
 from trainckpt.storage import resolve
+from trainckpt.storage.checksums import crc32c_bytes
 
 TESTS = Path(__file__).parent
 
@@ -146,7 +146,7 @@ def test_retention_deletes_superseded_ephemeral_checkpoints_on_s3(
     ckpt: Checkpointer, s3_bucket: str, s3_server: MotoS3
 ) -> None:
     from trainckpt import CheckpointPolicy
-    from trainckpt.retention import Remover
+    from trainckpt.retention.remover import Remover
 
     run = f"{s3_bucket}/run"
     module = make_module()

@@ -12,7 +12,7 @@ from models import make_module
 
 from trainckpt import CheckpointerConfig, CorruptCheckpointError, UnsafeCheckpointError
 from trainckpt.errors import CheckpointError
-from trainckpt.safe_unpickle import load_dcp_metadata
+from trainckpt.format.safe_unpickle import load_dcp_metadata
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ from models import assert_same_state, fresh_module, make_module
 from torch.distributed.checkpoint import FileSystemReader
 
 from trainckpt import CheckpointerConfig
-from trainckpt.dcp import save_state
-from trainckpt.shard_reader import ParallelReader, _load_checked, _split_runs
+from trainckpt.core.dcp import save_state
+from trainckpt.format.shard_reader import ParallelReader, _load_checked, _split_runs
 
 
 @pytest.mark.parametrize("threads", [1, 3, 8])

@@ -12,8 +12,8 @@ from integrity import split_item_record
 from models import assert_same_state, fresh_module, make_module
 
 from trainckpt import CheckpointerConfig
-from trainckpt.dcp import save_state
-from trainckpt.records import crc32c_file
+from trainckpt.core.dcp import save_state
+from trainckpt.storage.checksums import crc32c_file
 
 
 def test_shards_written_in_parallel_carry_the_crc32c_of_their_bytes(tmp_path: Path) -> None:

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from trainckpt.errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
-from trainckpt.records import crc32c_bytes
 from trainckpt.storage import Storage, StorageOptions, Versioned, resolve
+from trainckpt.storage.checksums import crc32c_bytes
 
 
 def _local(request: pytest.FixtureRequest) -> tuple[Storage, str]:
@@ -248,7 +248,7 @@ def test_gcs_reports_the_crc32c_we_computed(gcs_bucket: str) -> None:
     data = b"some checkpoint bytes" * 1000
     storage.write_bytes(storage.join(root, "f.bin"), data)
     blob = gcs.Client().bucket(gcs_bucket[len("gs://") :]).get_blob("crc/f.bin")
-    from trainckpt.records import crc32c_from_gcs
+    from trainckpt.storage.checksums import crc32c_from_gcs
 
     assert blob is not None and crc32c_from_gcs(blob.crc32c) == crc32c_bytes(data)
 

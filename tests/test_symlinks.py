@@ -15,8 +15,8 @@ import pytest
 from crash_worker import check_checkpoint, reference, trainer_state
 
 from trainckpt import Checkpointer, CheckpointerConfig, CheckpointExistsError, CheckpointPolicy
-from trainckpt.cli import main as cli_main
-from trainckpt.retention import Remover
+from trainckpt.cli.main import main as cli_main
+from trainckpt.retention.remover import Remover
 
 
 @pytest.fixture

@@ -20,10 +20,10 @@ from trainckpt import (
     CheckpointPolicy,
     ModelAndStates,
 )
-from trainckpt.inventory import scan_folder
-from trainckpt.prune import plan_prune
+from trainckpt.cli.inventory import scan_folder
+from trainckpt.format.torchtitan_layout import dcp_problems, torchtitan_checkpoints
+from trainckpt.retention.prune import plan_prune
 from trainckpt.storage import resolve
-from trainckpt.torchtitan_layout import dcp_problems, torchtitan_checkpoints
 
 
 def _torchtitan_writes(folder: Path, step: int, model: torch.nn.Module) -> Path:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from trainckpt import Checkpointer, CheckpointError
-from trainckpt.dcp import read_dcp_metadata
+from trainckpt.format.dcp_metadata import read_dcp_metadata
 from trainckpt.storage import resolve
 
 KINDS = ["torchtitan", "trainckpt"]

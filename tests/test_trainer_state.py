@@ -220,7 +220,7 @@ def test_numpy_stays_optional(tmp_path):
 
 def test_numpy_allow_list_is_scoped_to_the_call():
     """The numpy globals are admitted only inside trainckpt's load, never process-wide."""
-    from trainckpt import safe_unpickle
+    from trainckpt.format import safe_unpickle
 
     before = set(map(str, torch.serialization.get_safe_globals()))
     safe_unpickle.load_torch_plain(torch_save_bytes({"a": np.ones(2)}), "x")

@@ -1,11 +1,9 @@
 """trainckpt: crash-safe checkpointing for PyTorch training."""
 
-__version__ = "0.1.0"
-
-from .checkpointer import Checkpointer  # noqa: E402
-from .checkpointing import Checkpointing  # noqa: E402
-from .config import CheckpointerConfig  # noqa: E402
-from .errors import (  # noqa: E402
+from trainckpt.checkpointer import Checkpointer
+from trainckpt.checkpointing import Checkpointing
+from trainckpt.config import CheckpointerConfig
+from trainckpt.errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -19,18 +17,19 @@ from .errors import (  # noqa: E402
     StorageError,
     UnsafeCheckpointError,
 )
-from .model_states import ModelAndStates  # noqa: E402
-from .policy import CheckpointPolicy  # noqa: E402
-from .records import CheckpointManifest, CheckpointMetadata  # noqa: E402
-from .train_module import ModelAndOptim, ModelWeights, TrainModule  # noqa: E402
-from .verify import VerifyReport  # noqa: E402
+from trainckpt.format.records import CheckpointManifest, CheckpointMetadata
+from trainckpt.format.verify import VerifyReport
+from trainckpt.model_states import ModelAndStates
+from trainckpt.retention.policy import CheckpointPolicy
+from trainckpt.train_module import ModelAndOptim, ModelWeights, TrainModule
+from trainckpt.version import __version__
 
 
 def __getattr__(name: str) -> object:
     """`OLMoCheckpointerConfig` is imported on first use: it imports OLMo-core (the `olmo`
     extra), which takes seconds and is not needed otherwise."""
     if name == "OLMoCheckpointerConfig":
-        from .olmo import OLMoCheckpointerConfig
+        from trainckpt.olmo import OLMoCheckpointerConfig
 
         return OLMoCheckpointerConfig
     raise AttributeError(f"module 'trainckpt' has no attribute '{name}'")

@@ -13,32 +13,40 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from . import amend, dist, exit_guard, finders, layout
-from .claim import DEFAULT_LEASE
-from .commit import OnFile, SaveRequest, delete_checkpoint, is_committed, save_checkpoint
-from .direct import load_direct, loads_directly, save_direct, saves_directly
-from .errors import (
+from trainckpt.core import amend, dist, exit_guard
+from trainckpt.core.claim import DEFAULT_LEASE
+from trainckpt.core.commit import (
+    OnFile,
+    SaveRequest,
+    delete_checkpoint,
+    is_committed,
+    save_checkpoint,
+)
+from trainckpt.core.direct import load_direct, loads_directly, save_direct, saves_directly
+from trainckpt.core.futures import CallbacksFirstFuture
+from trainckpt.core.staging import Stager, StreamMark
+from trainckpt.core.upload_turns import run_in_turns
+from trainckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     ConfigurationError,
     StorageError,
 )
-from .faults import fault_point
-from .futures import CallbacksFirstFuture
-from .records import CheckpointManifest, CheckpointMetadata, FileEntry, crc32c_bytes, crc32c_file
-from .staging import Stager, StreamMark
-from .storage import LocalStorage, Storage, StorageOptions, resolve
-from .storage.local import writing
-from .train_module import TrainModule
-from .trainer_state import deserialize_trainer_state, serialize_trainer_state
-from .upload_turns import run_in_turns
-from .verify import (
+from trainckpt.faults import fault_point
+from trainckpt.format import finders, layout
+from trainckpt.format.records import CheckpointManifest, CheckpointMetadata
+from trainckpt.format.trainer_state import deserialize_trainer_state, serialize_trainer_state
+from trainckpt.format.verify import (
     Progress,
     VerifyReport,
     check_before_load,
     check_loaded_file,
     verify_checkpoint,
 )
+from trainckpt.storage import LocalStorage, Storage, StorageOptions, resolve
+from trainckpt.storage.checksums import FileEntry, crc32c_bytes, crc32c_file
+from trainckpt.storage.local import writing
+from trainckpt.train_module import TrainModule
 
 log = logging.getLogger(__name__)
 
@@ -380,7 +388,9 @@ class Checkpointer:
         direct = saves_directly(train_module)
 
         def write(folder: Path, durable: bool, on_file: OnFile | None) -> dict[str, FileEntry]:
-            from .dcp import save_state  # imported on first use: DCP takes ~1 s to import
+            from trainckpt.core.dcp import (
+                save_state,  # imported on first use: DCP takes ~1 s to import
+            )
 
             rel = layout.trainer_state_file(dist.get_rank(group))
             error: Exception | None = None
@@ -481,7 +491,9 @@ class Checkpointer:
         if load_optim_state is None and layout.parse_step(storage.name(path)) == 0:
             log.info("'%s' is a step-0 (seed) checkpoint: loading model weights only", path)
             load_optim_state = False
-        from .dcp import read_dcp_metadata  # imported on first use: slow to import
+        from trainckpt.format.dcp_metadata import (
+            read_dcp_metadata,  # imported on first use: slow to import
+        )
 
         md_rel = (
             layout.DCP_METADATA_FILE
@@ -532,7 +544,7 @@ class Checkpointer:
     ) -> dict[str, Any] | None:
         """Load the checkpoint's DCP folder into the module's state dict and apply it; return
         the trainer state without the `exclude`d keys. Called on: all ranks."""
-        from .dcp import load_state
+        from trainckpt.core.dcp import load_state
 
         folder = finders.dcp_folder(storage, path)
         state = train_module.state_dict_to_load(metadata, optim=load_optim_state)

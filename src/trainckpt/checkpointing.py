@@ -20,14 +20,15 @@ from typing import Any
 
 import torch
 
-from . import dist, layout
-from .checkpointer import Checkpointer
-from .errors import CheckpointError, ConfigurationError
-from .policy import CheckpointPolicy, SaveKind
-from .records import read_manifest
-from .retention import Remover
-from .storage import resolve
-from .train_module import TrainModule
+from trainckpt.checkpointer import Checkpointer
+from trainckpt.core import dist
+from trainckpt.errors import CheckpointError, ConfigurationError
+from trainckpt.format import layout
+from trainckpt.format.records import read_manifest
+from trainckpt.retention.policy import CheckpointPolicy, SaveKind
+from trainckpt.retention.remover import Remover
+from trainckpt.storage import resolve
+from trainckpt.train_module import TrainModule
 
 log = logging.getLogger(__name__)
 

@@ -9,10 +9,10 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from . import dist
-from .checkpointer import Checkpointer, VerifyOnLoad
-from .claim import DEFAULT_LEASE, MAX_LEASE
-from .errors import ConfigurationError, settings_error
+from trainckpt.checkpointer import Checkpointer, VerifyOnLoad
+from trainckpt.core import dist
+from trainckpt.core.claim import DEFAULT_LEASE, MAX_LEASE
+from trainckpt.errors import ConfigurationError, settings_error
 
 
 class CheckpointerConfig(BaseModel):

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from . import dist
-from .errors import CheckpointError, ConfigurationError
-from .plain_pickle import check_plain_pickles
+from trainckpt.core import dist
+from trainckpt.errors import CheckpointError, ConfigurationError
+from trainckpt.format.plain_pickle import check_plain_pickles
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata

@@ -17,9 +17,9 @@ from typing import Any
 
 from olmo_core.train.checkpoint import CheckpointerConfig as _OLMoCheckpointerConfig
 
-from . import dist
-from .checkpointer import Checkpointer
-from .config import CheckpointerConfig
+from trainckpt.checkpointer import Checkpointer
+from trainckpt.config import CheckpointerConfig
+from trainckpt.core import dist
 
 
 class _Methods(_OLMoCheckpointerConfig):

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from .errors import CheckpointError, ConfigurationError
+from trainckpt.errors import CheckpointError, ConfigurationError
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata

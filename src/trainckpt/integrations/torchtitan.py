@@ -24,15 +24,15 @@ from torchtitan.components.checkpointer.base import (
     BaseCheckpointManager,
 )
 
-from .. import dist
-from ..checkpointer import Checkpointer
-from ..checkpointing import Checkpointing
-from ..config import CheckpointerConfig
-from ..errors import CheckpointNotFoundError, ConfigurationError, CorruptCheckpointError
-from ..model_states import ModelAndStates
-from ..policy import CheckpointPolicy
-from ..storage import resolve
-from ..torchtitan_layout import dcp_problems, torchtitan_checkpoints
+from trainckpt.checkpointer import Checkpointer
+from trainckpt.checkpointing import Checkpointing
+from trainckpt.config import CheckpointerConfig
+from trainckpt.core import dist
+from trainckpt.errors import CheckpointNotFoundError, ConfigurationError, CorruptCheckpointError
+from trainckpt.format.torchtitan_layout import dcp_problems, torchtitan_checkpoints
+from trainckpt.model_states import ModelAndStates
+from trainckpt.retention.policy import CheckpointPolicy
+from trainckpt.storage import resolve
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class CheckpointManager(BaseCheckpointManager):
             return False
         if last_step:
             if self.config.last_save_in_hf:
-                from .torchtitan_hf import save_hf  # imported on first use
+                from trainckpt.integrations.torchtitan_hf import save_hf  # imported on first use
 
                 save_hf(self, curr_step)
             else:
@@ -196,7 +196,7 @@ class CheckpointManager(BaseCheckpointManager):
         found_step, path, kind = found
         log.info("loading step %d from '%s'", found_step, path)
         if kind == "hf":
-            from .torchtitan_hf import load_hf  # imported on first use
+            from trainckpt.integrations.torchtitan_hf import load_hf  # imported on first use
 
             load_hf(self, path)
             return True
@@ -214,7 +214,7 @@ class CheckpointManager(BaseCheckpointManager):
             found.update({s: (p, "ours") for s, p in Checkpointer.find_checkpoints(folder)})
         except FileNotFoundError:
             return {}
-        from .torchtitan_hf import is_hf_checkpoint
+        from trainckpt.integrations.torchtitan_hf import is_hf_checkpoint
 
         return {
             s: (p, "hf" if is_hf_checkpoint(storage, p) else kind) for s, (p, kind) in found.items()
@@ -270,7 +270,7 @@ class CheckpointManager(BaseCheckpointManager):
                     "checkpoint.initial_load_in_hf needs checkpoint.initial_load_path or the "
                     "model's hf_assets_path"
                 )
-            from .torchtitan_hf import load_hf  # imported on first use
+            from trainckpt.integrations.torchtitan_hf import load_hf  # imported on first use
 
             log.info("initial load of Hugging Face weights from '%s'", path)
             load_hf(self, path)

@@ -25,13 +25,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import dist, layout
-from ..errors import ConfigurationError, CorruptCheckpointError
-from ..storage import Storage, resolve
-from ..torchtitan_layout import HF_INDEX_FILE
+from trainckpt.core import dist
+from trainckpt.errors import ConfigurationError, CorruptCheckpointError
+from trainckpt.format import layout
+from trainckpt.format.torchtitan_layout import HF_INDEX_FILE
+from trainckpt.storage import Storage, resolve
 
 if TYPE_CHECKING:
-    from .torchtitan import CheckpointManager
+    from trainckpt.integrations.torchtitan import CheckpointManager
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
-from .base import DEFAULT_OPTIONS, Listing, Storage, StorageOptions, Versioned
-from .local import LocalStorage
+from trainckpt.storage.base import DEFAULT_OPTIONS, Listing, Storage, StorageOptions, Versioned
+from trainckpt.storage.local import LocalStorage
 
 __all__ = [
     "Listing",
@@ -47,18 +47,18 @@ def storage_for(location: str, options: StorageOptions = DEFAULT_OPTIONS) -> Sto
     if scheme in ("", "file"):
         return _LOCAL
     if scheme == "gs":
-        from .gcs import GCSStorage
+        from trainckpt.storage.gcs import GCSStorage
 
         return GCSStorage.shared(options)
     if scheme in ("http", "https"):
-        from .http import HTTPStorage
+        from trainckpt.storage.http import HTTPStorage
 
         return HTTPStorage.shared(options)
     if scheme == "s3":
-        from .s3 import S3Storage
+        from trainckpt.storage.s3 import S3Storage
 
         return S3Storage.shared(options)
-    from ..errors import ConfigurationError
+    from trainckpt.errors import ConfigurationError
 
     raise ConfigurationError(
         f"'{location}': unsupported storage scheme '{scheme}://'; "

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import CheckpointNotFoundError, StorageError
+from trainckpt.errors import CheckpointNotFoundError, StorageError
 
 
 def cached_copy(url: str, cache_dir: Path) -> Path:

@@ -28,10 +28,16 @@ from google.auth import exceptions as auth_exceptions
 from google.cloud.storage import exceptions as media_exceptions
 from google.cloud.storage.retry import DEFAULT_RETRY
 
-from ..errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
-from ..records import FileEntry, crc32c_bytes, crc32c_file, crc32c_from_gcs, crc32c_to_gcs
-from .base import Listing, StorageOptions, Versioned
-from .remote import RemoteStorage
+from trainckpt.errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
+from trainckpt.storage.base import Listing, StorageOptions, Versioned
+from trainckpt.storage.checksums import (
+    FileEntry,
+    crc32c_bytes,
+    crc32c_file,
+    crc32c_from_gcs,
+    crc32c_to_gcs,
+)
+from trainckpt.storage.remote import RemoteStorage
 
 if TYPE_CHECKING:
     from google.cloud.storage import Blob, Bucket, Client

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import requests
 
-from ..errors import CheckpointNotFoundError, ConfigurationError, StorageError
-from .base import Listing, Storage, StorageOptions
-from .remote import RemoteStorage
+from trainckpt.errors import CheckpointNotFoundError, ConfigurationError, StorageError
+from trainckpt.storage.base import Listing, Storage, StorageOptions
+from trainckpt.storage.remote import RemoteStorage
 
 _RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _HEAD_REFUSED = frozenset({403, 405, 501})

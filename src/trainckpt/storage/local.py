@@ -19,8 +19,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, StorageError
-from .base import Listing, Storage
+from trainckpt.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    StorageError,
+)
+from trainckpt.storage.base import Listing, Storage
 
 _WRITE_ADVICE = {
     errno.ENOSPC: "no space left on the device: free space, or save to a folder on another disk",

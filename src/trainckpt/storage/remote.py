@@ -9,10 +9,10 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, BinaryIO, ClassVar, TypeVar, cast
 
-from ..errors import StorageError
-from .base import Storage, StorageOptions
-from .download import cached_copy
-from .ranged import RangeReader
+from trainckpt.errors import StorageError
+from trainckpt.storage.base import Storage, StorageOptions
+from trainckpt.storage.download import cached_copy
+from trainckpt.storage.ranged import RangeReader
 
 R = TypeVar("R", bound="RemoteStorage")
 

@@ -27,10 +27,10 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from ..errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
-from .base import Listing, StorageOptions, Versioned
-from .remote import RemoteStorage
-from .s3_errors import RangeNotSatisfiable, call_with_retries
+from trainckpt.errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
+from trainckpt.storage.base import Listing, StorageOptions, Versioned
+from trainckpt.storage.remote import RemoteStorage
+from trainckpt.storage.s3_errors import RangeNotSatisfiable, call_with_retries
 
 if TYPE_CHECKING:
     from botocore.client import BaseClient
@@ -76,7 +76,7 @@ class S3Storage(RemoteStorage):
         """The instance for `options` and the current endpoint variables (a changed endpoint
         gets a new client)."""
         if importlib.util.find_spec("boto3") is None:
-            from ..errors import ConfigurationError
+            from trainckpt.errors import ConfigurationError
 
             raise ConfigurationError(
                 "s3:// paths need boto3, which is not installed: pip install 'trainckpt[s3]'"

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from ..errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
+from trainckpt.errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from .checksummed_file import crc32c_extend
-from .errors import CorruptCheckpointError
+from trainckpt.errors import CorruptCheckpointError
+from trainckpt.storage.checksummed_file import crc32c_extend
 
 MAGIC = b"TCKPTIR1"
 SAVE_ID_PREFIX = "trainckpt-items-1:"

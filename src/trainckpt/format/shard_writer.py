@@ -39,11 +39,11 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from . import item_record
-from .checksummed_file import checksummed_file
-from .layout import DCP_METADATA_FILE
-from .records import FileEntry
-from .storage.local import writing
+from trainckpt.format import item_record
+from trainckpt.format.layout import DCP_METADATA_FILE
+from trainckpt.storage.checksummed_file import checksummed_file
+from trainckpt.storage.checksums import FileEntry
+from trainckpt.storage.local import writing
 
 
 @dataclasses.dataclass

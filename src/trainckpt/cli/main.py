@@ -25,11 +25,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from . import __version__, layout
-from .checkpointer import Checkpointer
-from .cli_output import human_age, human_size, progress_bar, table
-from .errors import CheckpointError, CheckpointNotFoundError
-from .inventory import (
+from trainckpt.checkpointer import Checkpointer
+from trainckpt.cli.inventory import (
     FolderEntry,
     age_seconds,
     describe_checkpoint,
@@ -37,9 +34,13 @@ from .inventory import (
     require_one_checkpoint,
     scan_folder,
 )
-from .prune import apply_prune, plan_prune
-from .storage import default_options, resolve
-from .storage.base import DEFAULT_OPTIONS
+from trainckpt.cli.output import human_age, human_size, progress_bar, table
+from trainckpt.errors import CheckpointError, CheckpointNotFoundError
+from trainckpt.format import layout
+from trainckpt.retention.prune import apply_prune, plan_prune
+from trainckpt.storage import default_options, resolve
+from trainckpt.storage.base import DEFAULT_OPTIONS
+from trainckpt.version import __version__
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_UNUSABLE = 0, 1, 2
 DEFAULT_TIMEOUT = 60.0
@@ -183,7 +184,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .export import DTYPES, export_checkpoint, format_for
+    from trainckpt.cli.export import DTYPES, export_checkpoint, format_for
 
     fmt = format_for(args.out, args.format)
     with progress_bar("loading", args.progress) as progress:

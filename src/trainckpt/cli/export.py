@@ -20,12 +20,13 @@ from typing import Any, Literal
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .checkpointer import Checkpointer
-from .dcp import load_full_state, read_dcp_metadata
-from .errors import CheckpointExistsError, CheckpointNotFoundError, ConfigurationError
-from .inventory import checkpoint_dcp_folder
-from .storage import resolve
-from .storage.local import writing
+from trainckpt.checkpointer import Checkpointer
+from trainckpt.cli.inventory import checkpoint_dcp_folder
+from trainckpt.core.dcp import load_full_state
+from trainckpt.errors import CheckpointExistsError, CheckpointNotFoundError, ConfigurationError
+from trainckpt.format.dcp_metadata import read_dcp_metadata
+from trainckpt.storage import resolve
+from trainckpt.storage.local import writing
 
 log = logging.getLogger(__name__)
 

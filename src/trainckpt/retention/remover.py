@@ -15,13 +15,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from . import finders, layout
-from .checkpointer import Checkpointer
-from .commit import delete_leftover, is_committed
-from .errors import CheckpointError, ConcurrentSaveError
-from .policy import CheckpointInfo, CheckpointPolicy, Leftover
-from .records import read_manifest
-from .storage import resolve
+from trainckpt.checkpointer import Checkpointer
+from trainckpt.core.commit import delete_leftover, is_committed
+from trainckpt.errors import CheckpointError, ConcurrentSaveError
+from trainckpt.format import finders, layout
+from trainckpt.format.records import read_manifest
+from trainckpt.retention.policy import CheckpointInfo, CheckpointPolicy, Leftover
+from trainckpt.storage import resolve
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import google_crc32c
 
-from . import dist
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .layout import (
+from trainckpt.core import dist
+from trainckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from trainckpt.format.layout import (
     CLAIM_FILE,
     DCP_METADATA_FILE,
     MANIFEST_FILE,
@@ -26,8 +26,9 @@ from .layout import (
     dcp_dirname,
     is_safe_relpath,
 )
-from .records import CheckpointManifest, FileEntry, crc32c_bytes, read_manifest, read_metadata
-from .storage import Storage
+from trainckpt.format.records import CheckpointManifest, read_manifest, read_metadata
+from trainckpt.storage import Storage
+from trainckpt.storage.checksums import FileEntry, crc32c_bytes
 
 log = logging.getLogger(__name__)
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .checkpointer import Checkpointer
-from .commit import delete_leftover
-from .errors import CheckpointNotFoundError, ConcurrentSaveError, ConfigurationError
-from .inventory import FolderEntry
-from .storage import resolve
+from trainckpt.checkpointer import Checkpointer
+from trainckpt.cli.inventory import FolderEntry
+from trainckpt.core.commit import delete_leftover
+from trainckpt.errors import CheckpointNotFoundError, ConcurrentSaveError, ConfigurationError
+from trainckpt.storage import resolve
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """`.metadata.json` and `.manifest.json` as pydantic models, the one size-bounded way to read
-them (and DCP's `.metadata`) from storage, plus the CRC32C helpers they need.
+them (and DCP's `.metadata`) from storage.
 
 Records come from whoever wrote the checkpoint, so they are read as hostile input: a record is
 refused by its size before it is read, and anything that does not parse into the model (deep
@@ -8,21 +8,17 @@ nesting, oversized integers, wrong types) is a `CorruptCheckpointError` naming t
 
 from __future__ import annotations
 
-import base64
 import datetime as _dt
 import json
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Literal, Protocol
 
-import google_crc32c
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from . import __version__
-from .errors import CorruptCheckpointError
-from .layout import FORMAT_VERSION, MANIFEST_FILE, METADATA_FILE
-
-_CHUNK = 8 * 1024 * 1024
+from trainckpt.errors import CorruptCheckpointError
+from trainckpt.format.layout import FORMAT_VERSION, MANIFEST_FILE, METADATA_FILE
+from trainckpt.storage.checksums import FileEntry
+from trainckpt.version import __version__
 
 MAX_METADATA_BYTES = 64 * 1024
 """Largest `.metadata.json` read. A commit record is about 40 bytes (two fields)."""
@@ -64,15 +60,6 @@ class CheckpointMetadata(BaseModel):
             ) from e
         except (ValueError, RecursionError, MemoryError) as e:
             raise _unparsable(where, e) from e
-
-
-class FileEntry(BaseModel):
-    """Size and CRC32C (8 lowercase hex digits) of one file."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    size: int = Field(ge=0)
-    crc32c: str = Field(pattern=r"^[0-9a-f]{8}$")
 
 
 class CheckpointManifest(BaseModel):
@@ -203,28 +190,3 @@ def _unparsable(where: str, e: BaseException) -> CorruptCheckpointError:
 
 def utc_now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-
-
-def crc32c_bytes(data: bytes) -> str:
-    """CRC32C of `data` as 8 lowercase hex digits."""
-    return f"{google_crc32c.value(data):08x}"
-
-
-def crc32c_file(path: str | Path) -> FileEntry:
-    """Size and CRC32C of a local file, read in chunks."""
-    crc = google_crc32c.Checksum()
-    size = 0
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(_CHUNK):
-            crc.update(chunk)
-            size += len(chunk)
-    return FileEntry(size=size, crc32c=crc.digest().hex())
-
-
-def crc32c_from_gcs(b64: str) -> str:
-    """GCS reports CRC32C as base64 of 4 big-endian bytes; convert to our hex form."""
-    return base64.b64decode(b64).hex()
-
-
-def crc32c_to_gcs(hex8: str) -> str:
-    return base64.b64encode(bytes.fromhex(hex8)).decode()

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from .errors import CorruptCheckpointError, InvalidTrainStateError
-from .safe_unpickle import load_torch_plain, numpy_value_problem
+from trainckpt.errors import CorruptCheckpointError, InvalidTrainStateError
+from trainckpt.format.safe_unpickle import load_torch_plain, numpy_value_problem
 
 _PLAIN = (str, bytes, int, float, bool, type(None), torch.Tensor, torch.Size, torch.dtype)
 

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .errors import settings_error
+from trainckpt.errors import settings_error
 
 RemovalStrategy = Literal["ephemeral_only", "all_non_permanent", "never"]
 

@@ -30,8 +30,8 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemRe
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from . import item_record
-from .storage.ranged import RangeReader
+from trainckpt.format import item_record
+from trainckpt.storage.ranged import RangeReader
 
 
 class ParallelReader(FileSystemReader):

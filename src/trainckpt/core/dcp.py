@@ -31,15 +31,16 @@ from torch.distributed.checkpoint.planner import (
     ReadItem,
 )
 
-from . import dist, item_record
-from .errors import CheckpointError, CorruptCheckpointError, StorageError
-from .layout import DCP_METADATA_FILE
-from .records import MAX_DCP_METADATA_BYTES, FileEntry, crc32c_file, read_record_bytes
-from .safe_unpickle import load_dcp_metadata, load_torch_plain
-from .shard_reader import ParallelReader
-from .shard_writer import RecordingWriter
-from .storage import Storage
-from .storage.ranged import RangeReader
+from trainckpt.core import dist
+from trainckpt.errors import CheckpointError, StorageError
+from trainckpt.format import item_record
+from trainckpt.format.layout import DCP_METADATA_FILE
+from trainckpt.format.safe_unpickle import load_torch_plain
+from trainckpt.format.shard_reader import ParallelReader
+from trainckpt.format.shard_writer import RecordingWriter
+from trainckpt.storage import Storage
+from trainckpt.storage.checksums import FileEntry, crc32c_file
+from trainckpt.storage.ranged import RangeReader
 
 log = logging.getLogger(__name__)
 
@@ -121,21 +122,6 @@ class _StorageFS(FileSystemBase):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return True
-
-
-def read_dcp_metadata(
-    storage: Storage, folder: str, check: Callable[[bytes, str], None] | None = None
-) -> Metadata:
-    """DCP's `.metadata` of `folder`, read safely; `check(data, where)` may refuse its bytes
-    first (e.g. against the manifest)."""
-    where = storage.join(folder, DCP_METADATA_FILE)
-    data = read_record_bytes(storage, where, MAX_DCP_METADATA_BYTES)
-    if check is not None:
-        check(data, where)
-    md = load_dcp_metadata(data, where)
-    if not isinstance(md, Metadata):
-        raise CorruptCheckpointError(f"{where} does not hold DCP metadata")
-    return md
 
 
 class _SafeReader(ParallelReader):

@@ -14,8 +14,8 @@ import io
 import pickle
 from typing import Any
 
-from .errors import UnsafeCheckpointError
-from .safe_unpickle import NoGlobalsUnpickler as _PlainUnpickler
+from trainckpt.errors import UnsafeCheckpointError
+from trainckpt.format.safe_unpickle import NoGlobalsUnpickler as _PlainUnpickler
 
 _MAX_PICKLE_BYTES = 256 * 1024 * 1024
 

@@ -10,10 +10,10 @@ the storage interface; nothing from the checkpoint is run (the metadata is read 
 
 from __future__ import annotations
 
-from . import finders, layout
-from .commit import is_committed
-from .errors import CheckpointError
-from .storage import Storage
+from trainckpt.core.commit import is_committed
+from trainckpt.errors import CheckpointError
+from trainckpt.format import finders, layout
+from trainckpt.storage import Storage
 
 HF_INDEX_FILE = "model.safetensors.index.json"
 
@@ -37,7 +37,9 @@ def dcp_problems(storage: Storage, folder: str) -> list[str]:
     `.metadata`, a missing shard file, or one shorter than the byte ranges recorded in it.
     An empty list means every recorded byte is there (not that every byte is right: DCP keeps
     no checksums)."""
-    from .dcp import read_dcp_metadata  # imported on first use: DCP is slow to import
+    from trainckpt.format.dcp_metadata import (
+        read_dcp_metadata,  # imported on first use: DCP is slow to import
+    )
 
     try:
         metadata = read_dcp_metadata(storage, folder)

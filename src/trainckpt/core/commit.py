@@ -21,10 +21,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import claim as claims
-from . import dist
-from .claim import Claim
-from .errors import (
+from trainckpt.core import claim as claims
+from trainckpt.core import dist
+from trainckpt.core.claim import Claim
+from trainckpt.core.step_lock import StepLock
+from trainckpt.errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointTimeoutError,
@@ -32,12 +33,12 @@ from .errors import (
     CorruptCheckpointError,
     SharedFolderError,
 )
-from .faults import fault_point
-from .layout import CLAIM_FILE, MANIFEST_FILE, METADATA_FILE, target_name, tmp_name
-from .records import CheckpointManifest, CheckpointMetadata, FileEntry
-from .step_lock import StepLock
-from .storage import Storage
-from .storage.local import writing
+from trainckpt.faults import fault_point
+from trainckpt.format.layout import CLAIM_FILE, MANIFEST_FILE, METADATA_FILE, target_name, tmp_name
+from trainckpt.format.records import CheckpointManifest, CheckpointMetadata
+from trainckpt.storage import Storage
+from trainckpt.storage.checksums import FileEntry
+from trainckpt.storage.local import writing
 
 log = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ import socket
 import threading
 from pathlib import Path
 
-from .errors import StorageError
-from .layout import lock_name
+from trainckpt.errors import StorageError
+from trainckpt.format.layout import lock_name
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from . import dist
-from .errors import CheckpointError, ConfigurationError, StorageError
-from .records import FileEntry, crc32c_file
-from .storage.local import fsync_dir
+from trainckpt.core import dist
+from trainckpt.errors import CheckpointError, ConfigurationError, StorageError
+from trainckpt.storage.checksums import FileEntry, crc32c_file
+from trainckpt.storage.local import fsync_dir
 
 SAVE = "save_state_dict_direct"
 LOAD = "load_state_dict_direct"
@@ -57,7 +57,7 @@ def save_direct(
             f"its own: save it to a 'stepN' checkpoint (DCP in 'stepN/model_and_optim'), not "
             f"to '{folder}', whose DCP files would sit beside the trainer state"
         )
-    from .dcp import plain_errors  # imported on first use: DCP takes ~1 s to import
+    from trainckpt.core.dcp import plain_errors  # imported on first use: DCP takes ~1 s to import
 
     # Every rank creates it: with per-rank staging folders (object stores), OLMo-core's
     # preparation would otherwise wait on ranks > 0 for a folder only rank 0 creates.
@@ -99,7 +99,7 @@ def load_direct(
 
     Called on: all ranks (the module's DCP load is collective on `group`).
     """
-    from .dcp import plain_errors
+    from trainckpt.core.dcp import plain_errors
 
     with plain_errors(f"{type(module).__name__}.{LOAD} from '{folder}'", CheckpointError):
         getattr(module, LOAD)(

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .errors import CorruptCheckpointError, UnsafeCheckpointError
+from trainckpt.errors import CorruptCheckpointError, UnsafeCheckpointError
 
 
 class _Refused(pickle.UnpicklingError):

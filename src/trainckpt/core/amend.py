@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import logging
 
-from .commit import is_committed
-from .errors import ConfigurationError
-from .layout import MANIFEST_FILE, METADATA_FILE, is_safe_relpath
-from .records import CheckpointManifest, FileEntry, crc32c_bytes
-from .storage import Storage
+from trainckpt.core.commit import is_committed
+from trainckpt.errors import ConfigurationError
+from trainckpt.format.layout import MANIFEST_FILE, METADATA_FILE, is_safe_relpath
+from trainckpt.format.records import CheckpointManifest
+from trainckpt.storage import Storage
+from trainckpt.storage.checksums import FileEntry, crc32c_bytes
 
 log = logging.getLogger(__name__)
 

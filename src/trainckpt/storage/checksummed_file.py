@@ -22,8 +22,8 @@ from typing import Any
 
 import google_crc32c
 
-from .records import FileEntry
-from .storage.local import writing
+from trainckpt.storage.checksums import FileEntry
+from trainckpt.storage.local import writing
 
 _CHUNK = 8 << 20
 """Large writes go out in chunks this big: each is CRC'd and written while it is in the CPU

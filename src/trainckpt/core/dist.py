@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from .errors import ConfigurationError, RankFailedError
+from trainckpt.errors import ConfigurationError, RankFailedError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -34,9 +34,9 @@ import time
 import uuid
 from typing import Any
 
-from .errors import CheckpointError, ConcurrentSaveError
-from .layout import CLAIM_FILE, METADATA_FILE
-from .storage import Storage, Versioned
+from trainckpt.errors import CheckpointError, ConcurrentSaveError
+from trainckpt.format.layout import CLAIM_FILE, METADATA_FILE
+from trainckpt.storage import Storage, Versioned
 
 log = logging.getLogger(__name__)
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 
-from . import layout, records
-from .commit import is_committed
-from .errors import CheckpointNotFoundError, ConfigurationError, CorruptCheckpointError
-from .records import CheckpointMetadata
-from .storage import Storage
-from .verify import require_folder
+from trainckpt.core.commit import is_committed
+from trainckpt.errors import CheckpointNotFoundError, ConfigurationError, CorruptCheckpointError
+from trainckpt.format import layout, records
+from trainckpt.format.records import CheckpointMetadata
+from trainckpt.format.verify import require_folder
+from trainckpt.storage import Storage
 
 log = logging.getLogger(__name__)
 

@@ -17,14 +17,19 @@ from typing import Any, Literal
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from . import layout
-from .checkpointer import Checkpointer
-from .dcp import read_dcp_metadata
-from .errors import CheckpointError, CheckpointNotFoundError
-from .finders import dcp_folder
-from .records import CheckpointManifest, CheckpointMetadata, read_manifest, read_metadata
-from .storage import Storage, resolve
-from .trainer_state import deserialize_trainer_state
+from trainckpt.checkpointer import Checkpointer
+from trainckpt.errors import CheckpointError, CheckpointNotFoundError
+from trainckpt.format import layout
+from trainckpt.format.dcp_metadata import read_dcp_metadata
+from trainckpt.format.finders import dcp_folder
+from trainckpt.format.records import (
+    CheckpointManifest,
+    CheckpointMetadata,
+    read_manifest,
+    read_metadata,
+)
+from trainckpt.format.trainer_state import deserialize_trainer_state
+from trainckpt.storage import Storage, resolve
 
 FolderState = Literal["committed", "damaged", "uncommitted", "tmp"]
 """`damaged`: a commit record is there, but it or the manifest cannot be read (see the note);

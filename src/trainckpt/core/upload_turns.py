@@ -13,7 +13,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable
 
-from . import dist
+from trainckpt.core import dist
 
 
 def node_turn(group: dist.ProcessGroup | None) -> tuple[int, int]:

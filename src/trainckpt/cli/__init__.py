@@ -1,0 +1,1 @@
+"""The `trainckpt` command: its subcommands, their output, inspect and export."""

@@ -1,0 +1,1 @@
+"""Which checkpoints to keep: save policies, the background remover, and prune."""

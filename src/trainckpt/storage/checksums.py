@@ -1,0 +1,46 @@
+"""A stored file's size and CRC32C, the one checksum every layer uses: CRC32C in 8 lowercase hex
+digits (what the manifest records), and GCS's base64 form of it."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import google_crc32c
+from pydantic import BaseModel, ConfigDict, Field
+
+_CHUNK = 8 * 1024 * 1024
+
+
+class FileEntry(BaseModel):
+    """Size and CRC32C (8 lowercase hex digits) of one file."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    size: int = Field(ge=0)
+    crc32c: str = Field(pattern=r"^[0-9a-f]{8}$")
+
+
+def crc32c_bytes(data: bytes) -> str:
+    """CRC32C of `data` as 8 lowercase hex digits."""
+    return f"{google_crc32c.value(data):08x}"
+
+
+def crc32c_file(path: str | Path) -> FileEntry:
+    """Size and CRC32C of a local file, read in chunks."""
+    crc = google_crc32c.Checksum()
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_CHUNK):
+            crc.update(chunk)
+            size += len(chunk)
+    return FileEntry(size=size, crc32c=crc.digest().hex())
+
+
+def crc32c_from_gcs(b64: str) -> str:
+    """GCS reports CRC32C as base64 of 4 big-endian bytes; convert to our hex form."""
+    return base64.b64decode(b64).hex()
+
+
+def crc32c_to_gcs(hex8: str) -> str:
+    return base64.b64encode(bytes.fromhex(hex8)).decode()
