@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import filecmp
+import io
 import json
+import threading
+import zipfile
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from integrity import split_item_record
 from models import assert_same_state, fresh_module, make_module
+from torch.distributed.checkpoint import FileSystemReader
 
 from trainckpt import CheckpointerConfig
 from trainckpt.core.dcp import save_state
@@ -82,3 +86,49 @@ def test_async_save_is_byte_identical_to_sync_save(tmp_path: Path) -> None:
             assert sync_files[rel] == async_files[rel]
         compared += 1
     assert compared >= 2  # trainer state and at least one shard
+
+
+def test_each_item_is_torch_save_without_the_zip_crc32_and_torch_load_reads_it(
+    tmp_path: Path,
+) -> None:
+    """Items skip the zip CRC32 (our CRC32C covers every byte); `torch.load` reads each one."""
+    state = {f"t{i}": torch.randn(1000 + i, dtype=torch.float32) for i in range(6)}
+    state["i"] = torch.arange(50, dtype=torch.int64)
+    save_state(state, tmp_path / "dcp", group=None, thread_count=2)
+    storage = FileSystemReader(str(tmp_path / "dcp")).read_metadata().storage_data
+    assert {index.fqn for index in storage} == set(state)
+    torch.serialization.set_crc32_options(False)
+    try:
+        for index, info in storage.items():
+            with open(tmp_path / "dcp" / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                item = f.read(info.length)
+            expected = io.BytesIO()
+            torch.save(state[index.fqn], expected)
+            assert item == expected.getvalue(), index.fqn
+            loaded = torch.load(io.BytesIO(item), weights_only=True)
+            assert torch.equal(loaded, state[index.fqn])
+    finally:
+        torch.serialization.set_crc32_options(True)
+
+
+def test_a_torch_save_on_another_thread_keeps_its_zip_crc32(tmp_path: Path) -> None:
+    """Skipping the CRC32 in our items must not leak into a trainer's own `torch.save`."""
+    state = {f"t{i}": torch.randn(1 << 20) for i in range(8)}  # the writes release the GIL
+    stop = threading.Event()
+
+    def save_repeatedly() -> None:
+        for n in range(4):
+            save_state(state, tmp_path / f"dcp{n}", group=None, thread_count=2)
+        stop.set()
+
+    saver = threading.Thread(target=save_repeatedly)
+    saver.start()
+    checked = 0
+    while not stop.is_set() or checked == 0:
+        buffer = io.BytesIO()
+        torch.save({"w": torch.randn(100)}, buffer)
+        assert zipfile.ZipFile(buffer).testzip() is None  # every entry has its CRC32
+        checked += 1
+    saver.join()
+    assert torch.serialization.get_crc32_options()

@@ -276,6 +276,32 @@ def test_file_size_limit(tmp_path: Path):
     shutil.rmtree(tmp_path / "work", ignore_errors=True)
 
 
+@pytest.mark.parametrize("limit", [1_500_000, 3_000_000, 5_000_000])
+def test_a_failed_item_write_leaves_nothing_that_aborts_the_process_later(
+    tmp_path: Path, limit: int
+):
+    """A write that fails inside a tensor item (the file-size limit hits at several depths)
+    must not leave torch's zip writer unfinished: finished in its C++ destructor when garbage
+    is collected, its failing write would throw out of a destructor and abort the process
+    ("Fatal Python error: Aborted" in an unrelated test, much later)."""
+    run = tmp_path / "run"
+    code = SAVE_LIMITED.replace("20000", str(limit)) + SAVE.format(
+        tests=str(Path(__file__).parent), work=str(tmp_path / "work"), target=str(run / "step1")
+    )
+    # Tensors of 2.4 MB: larger than the checksummed file's write buffer, so the limit is hit
+    # inside torch's zip writer, not at a later flush.
+    code = code.replace("make_module()", "make_module(steps=1, width=768)")
+    code += "import gc\ngc.collect()\nprint('collected')\n"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "collected"
+    kind, _ = json.loads(proc.stdout.strip().splitlines()[-2])
+    assert kind == "StorageError"
+    assert_nothing_committed(run)
+
+
 def test_unwritable_work_dir_of_an_object_store_save(gcs_bucket: str, tmp_path: Path):
     """Saves to gs:// stage their files in `work_dir`: a file in its place is a StorageError
     naming it, and nothing is uploaded."""

@@ -11,6 +11,12 @@ own `FileSystemWriter` is how they are written:
 - no copy of a tensor unless it is a view into a larger storage (`torch.save` would otherwise
   write the whole storage) or lives off the CPU;
 - empty shard files are not created;
+- the items are written without the zip CRC32 that `torch.save` puts into each zip entry
+  (`_save_item`): the bytes are those of `torch.save` under
+  `torch.serialization.set_crc32_options(False)`. `torch.load` (and so plain DCP and OLMo-core)
+  never checks that CRC32, while every byte is covered by our CRC32C (manifest and item
+  record), which is what the reader checks; the zip CRC32 was the largest CPU cost of a
+  background save that writing the bytes does not have;
 - each shard file ends with an item record (`item_record`): its own name, the save's id and
   the CRC32C of every item, computed from the bytes as they are written; the save id also goes
   into `.metadata` (`storage_meta.save_id`), so the reader can tell a misplaced or damaged
@@ -20,17 +26,21 @@ own `FileSystemWriter` is how they are written:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
+import pickle
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import IO, cast
 
 import torch
 from torch.distributed.checkpoint.filesystem import (
     DEFAULT_SUFFIX,
     FileSystemWriter,
     _split_by_size_and_type,
+    _StorageInfo,
     _StoragePrefix,
     _write_item,
 )
@@ -38,10 +48,11 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
+from torch.serialization import DEFAULT_PROTOCOL, _get_storage_alignment, _save
 
 from trainckpt.format import item_record
 from trainckpt.format.layout import DCP_METADATA_FILE
-from trainckpt.storage.checksummed_file import checksummed_file
+from trainckpt.storage.checksummed_file import ChecksummedWriter, checksummed_file
 from trainckpt.storage.checksums import FileEntry
 from trainckpt.storage.local import writing
 
@@ -127,14 +138,49 @@ class RecordingWriter(FileSystemWriter):
             for item in ordered:
                 data = _resolve(planner, item)
                 out.start_part()
-                results.append(
-                    _write_item(self.transforms, out, data, item, name, self.serialization_format)  # type: ignore[arg-type]
-                )
+                results.append(self._write_item(out, data, item, name))
                 parts.append(out.part())
             out.write(item_record.encode(name, self.save_id, parts))
         if self.on_file is not None:
             self.on_file(name)
         return out.entry(), results
+
+    def _write_item(
+        self, out: ChecksummedWriter, data: torch.Tensor | io.BytesIO, item: WriteItem, name: str
+    ) -> WriteResult:
+        """One item at the end of `out`: a tensor as `torch.save` writes it minus the zip
+        CRC32 (`_save_item`); byte items, and anything DCP's storage extensions transform, by
+        DCP's own item writer."""
+        if not isinstance(data, torch.Tensor) or self.transforms.extensions:
+            return _write_item(self.transforms, out, data, item, name, self.serialization_format)  # type: ignore[arg-type]
+        offset = out.tell()
+        _save_item(data, out)
+        length = out.tell() - offset
+        return WriteResult(
+            index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length)
+        )
+
+
+def _save_item(tensor: torch.Tensor, out: ChecksummedWriter) -> None:
+    """`torch.save(tensor, out)` without the zip CRC32, the same bytes as `torch.save` under
+    `set_crc32_options(False)`. That option is not a safe switch here: in torch 2.13 it is a
+    per-thread value (a ContextVar: set by the caller of a save, it never reaches the writer
+    threads), in earlier versions a process-global one (it would also drop the CRC32 of a
+    `torch.save` the trainer runs meanwhile). So the zip writer is opened here, per call, with
+    the CRC32 off, and `torch.save`'s own serializer writes into it: no shared state at all
+    (private functions of torch.serialization; torch is pinned and
+    `tests/test_shard_writer.py` compares the bytes with `torch.save`'s)."""
+    writer = torch._C.PyTorchFileWriter(cast(IO[bytes], out), False, _get_storage_alignment())
+    try:
+        _save(tensor, writer, pickle, DEFAULT_PROTOCOL, False)
+    except BaseException:
+        # Finalize even after a failed write (as torch.save's own opener does): a zip writer
+        # left open finalizes in its C++ destructor when it is garbage-collected, and a write
+        # that fails there throws out of a destructor, which aborts the whole process.
+        with contextlib.suppress(Exception):
+            writer.write_end_of_file()
+        raise
+    writer.write_end_of_file()
 
 
 def _resolve(planner: SavePlanner, item: WriteItem) -> torch.Tensor | io.BytesIO:
