@@ -190,10 +190,11 @@ def delete_loop(
     rounds (`kind="retention"`, `remove: all_non_permanent`). Puts the number of rounds run
     on `results`."""
     from trainckpt import CheckpointPolicy
-    from trainckpt.cli.inventory import scan_folder
     from trainckpt.errors import CheckpointNotFoundError
+    from trainckpt.format.folder import scan_folder
     from trainckpt.retention.prune import apply_prune, plan_prune
     from trainckpt.retention.remover import Remover
+    from trainckpt.storage import resolve
 
     os.environ.update(env)
     remover = Remover(folder, CheckpointPolicy(remove="all_non_permanent"))
@@ -205,7 +206,8 @@ def delete_loop(
             remover.run_round()
         else:
             try:
-                path, entries = scan_folder(folder)
+                storage, path = resolve(folder)
+                entries = scan_folder(storage, path)
                 plan = plan_prune(path, entries, keep_last=1000, keep_ephemeral=False)
             except CheckpointNotFoundError:  # nothing committed yet: prune refuses
                 continue

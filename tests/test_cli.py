@@ -20,7 +20,7 @@ from models import TinyNet, make_module
 from multiproc import run_ranks
 
 from trainckpt import Checkpointer, CheckpointerConfig
-from trainckpt.cli.inventory import scan_folder
+from trainckpt.format.folder import scan_folder
 from trainckpt.storage import resolve
 
 TRAINCKPT = Path(sys.executable).with_name("trainckpt")
@@ -330,7 +330,8 @@ def test_prune_killed_mid_delete_leaves_no_torn_checkpoint(run_folder: Path, tmp
     assert not (run_folder / "step100").exists()
     assert (run_folder / "step200" / ".manifest.json").is_file()
     assert [s for s, _ in Checkpointer.find_checkpoints(run_folder)] == [250, 300]
-    assert {e.name: e.state for e in scan_folder(str(run_folder))[1]}["step200"] == "uncommitted"
+    states = {e.name: e.state for e in scan_folder(*resolve(str(run_folder)))}
+    assert states["step200"] == "uncommitted"
 
     rerun = run_cli("prune", str(run_folder), "-k", "1")
     assert rerun.returncode == 0, rerun.stderr

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainckpt.cli.inventory import FolderEntry
 from trainckpt.errors import CheckpointNotFoundError, ConfigurationError
+from trainckpt.format.folder import FolderEntry
 from trainckpt.retention.prune import plan_prune
 
 

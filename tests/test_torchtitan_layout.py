@@ -20,7 +20,7 @@ from trainckpt import (
     CheckpointPolicy,
     ModelAndStates,
 )
-from trainckpt.cli.inventory import scan_folder
+from trainckpt.format.folder import scan_folder
 from trainckpt.format.torchtitan_layout import dcp_problems, torchtitan_checkpoints
 from trainckpt.retention.prune import plan_prune
 from trainckpt.storage import resolve
@@ -86,7 +86,7 @@ def test_checkpoints_torchtitan_wrote_are_found_checked_and_never_deleted(tmp_pa
     driver.finish()
     ckpt.close()
     assert old.exists() and new.exists()
-    _, entries = scan_folder(str(folder))
+    entries = scan_folder(*resolve(str(folder)))
     assert [e.name for e in entries] == ["step-6"]
     plan = plan_prune(str(folder), entries, keep_last=1, keep_ephemeral=False)
     assert not plan.to_delete

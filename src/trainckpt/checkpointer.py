@@ -1,4 +1,5 @@
-"""`Checkpointer`: save, save_async and load of whole training checkpoints, and the finders."""
+"""`Checkpointer`: save, save_async and load of whole training checkpoints; its finding and
+inspection classmethods delegate to `format.folder` and `format.verify`."""
 
 from __future__ import annotations
 
@@ -15,13 +16,7 @@ from typing import Any, ClassVar, Literal
 
 from trainckpt.core import amend, dist, exit_guard
 from trainckpt.core.claim import DEFAULT_LEASE
-from trainckpt.core.commit import (
-    OnFile,
-    SaveRequest,
-    delete_checkpoint,
-    is_committed,
-    save_checkpoint,
-)
+from trainckpt.core.commit import OnFile, SaveRequest, delete_checkpoint, save_checkpoint
 from trainckpt.core.direct import load_direct, loads_directly, save_direct, saves_directly
 from trainckpt.core.futures import CallbacksFirstFuture
 from trainckpt.core.staging import Stager, StreamMark
@@ -33,7 +28,8 @@ from trainckpt.errors import (
     StorageError,
 )
 from trainckpt.faults import fault_point
-from trainckpt.format import finders, layout
+from trainckpt.format import folder as save_folder
+from trainckpt.format import layout
 from trainckpt.format.records import CheckpointManifest, CheckpointMetadata
 from trainckpt.format.trainer_state import deserialize_trainer_state, serialize_trainer_state
 from trainckpt.format.verify import (
@@ -41,6 +37,7 @@ from trainckpt.format.verify import (
     VerifyReport,
     check_before_load,
     check_loaded_file,
+    newest_good,
     verify_checkpoint,
 )
 from trainckpt.storage import LocalStorage, Storage, StorageOptions, resolve
@@ -474,7 +471,7 @@ class Checkpointer:
         self._finish_pending()
         start = time.perf_counter()
         storage, path = resolve(dir, self._storage_options)
-        folder = finders.dcp_folder(storage, path)
+        folder = save_folder.dcp_folder(storage, path)
         manifest = check_before_load(storage, path, self.verify_on_load, self.process_group)
 
         trainer_state = None
@@ -546,7 +543,7 @@ class Checkpointer:
         the trainer state without the `exclude`d keys. Called on: all ranks."""
         from trainckpt.core.dcp import load_state
 
-        folder = finders.dcp_folder(storage, path)
+        folder = save_folder.dcp_folder(storage, path)
         state = train_module.state_dict_to_load(metadata, optim=load_optim_state)
         trainer_state = _exclude(state, trainer_state, exclude, path)
         load_state(
@@ -570,7 +567,7 @@ class Checkpointer:
         rank, world = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
         own = storage.join(path, layout.trainer_state_file(rank))
         rank0 = storage.join(path, layout.trainer_state_file(0))
-        saved_world = finders.saved_world_size(storage, path)
+        saved_world = save_folder.saved_world_size(storage, path)
         candidates = [(own, rank), (rank0, 0)]
         if saved_world is not None and saved_world != world:
             candidates = [(rank0, 0)]
@@ -611,10 +608,7 @@ class Checkpointer:
     @classmethod
     def dir_is_checkpoint(cls, dir: str | os.PathLike) -> bool:
         """True for a committed checkpoint or a bare DCP folder (model weights only)."""
-        storage, path = resolve(dir)
-        return is_committed(storage, path) or storage.exists(
-            storage.join(path, layout.DCP_METADATA_FILE)
-        )
+        return save_folder.is_checkpoint(*resolve(dir))
 
     @classmethod
     def find_checkpoints(
@@ -626,19 +620,12 @@ class Checkpointer:
         commit record, or, with the `ephemeral` filter, a read of it (a missing one means not
         committed). `-tmp` folders and folders without a commit record are skipped.
         """
-        storage, path = resolve(dir)
-        yield from finders.find_checkpoints(storage, path, ephemeral)
+        yield from save_folder.find_checkpoints(*resolve(dir), ephemeral)
 
     @classmethod
     def contains_checkpoint(cls, dir: str | os.PathLike) -> bool:
         """True when `dir` is a checkpoint or holds at least one."""
-        if cls.dir_is_checkpoint(dir):
-            return True
-        try:
-            cls.latest_checkpoint(dir)
-        except FileNotFoundError:
-            return False
-        return True
+        return save_folder.contains_checkpoint(*resolve(dir))
 
     @classmethod
     def latest_checkpoint(cls, dir: str | os.PathLike) -> str:
@@ -647,8 +634,7 @@ class Checkpointer:
         Probes step folders from the newest down and stops at the first committed one.
         Raises `CheckpointNotFoundError` (a `FileNotFoundError`) when there is none.
         """
-        storage, path = resolve(dir)
-        return finders.latest_checkpoint(storage, path)
+        return save_folder.latest_checkpoint(*resolve(dir))
 
     @classmethod
     def delete(cls, dir: str | os.PathLike) -> None:
@@ -657,10 +643,7 @@ class Checkpointer:
         reports, never a torn checkpoint. A missing folder is ignored; a symbolic link loses
         only the link. On a filesystem, the folders of a save still running are refused with
         `ConcurrentSaveError` (those of a crashed save are deleted). Called on: one rank."""
-        storage, path = resolve(dir)
-        start = time.perf_counter()
-        delete_checkpoint(storage, path)
-        log.info("deleted '%s' in %.2fs", path, time.perf_counter() - start)
+        delete_checkpoint(*resolve(dir))
 
     @classmethod
     def verify(
@@ -671,8 +654,7 @@ class Checkpointer:
         receives byte counts as they are checked. A checkpoint without a manifest (OLMo-core's)
         is reported ok but `unverifiable`. Raises `CheckpointNotFoundError` for a path that is
         no folder. Called on: any one process."""
-        storage, path = resolve(dir)
-        return verify_checkpoint(storage, path, deep=deep, progress=progress)
+        return verify_checkpoint(*resolve(dir), deep=deep, progress=progress)
 
     def find_latest_good(self, dir: str | os.PathLike) -> str | None:
         """The newest committed checkpoint under `dir` that passes verification (sizes, or
@@ -683,37 +665,16 @@ class Checkpointer:
         Called on: all ranks.
         """
         deep = self.verify_on_load == "full"
-
-        def newest_good() -> str | None:
-            storage, path = resolve(dir, self._storage_options)
-            try:
-                folders = finders.step_folders(storage, path)
-            except FileNotFoundError:
-                if storage.exists(path):
-                    raise
-                return None
-            for _step, ckpt in reversed(folders):
-                if not is_committed(storage, ckpt):
-                    continue
-                report = verify_checkpoint(storage, ckpt, deep=deep)
-                if report.ok:
-                    return ckpt
-                log.warning(
-                    "skipping checkpoint '%s': it failed verification: %s",
-                    ckpt,
-                    "; ".join(report.problems),
-                )
-            return None
-
         return dist.run_on_rank0(
-            newest_good, f"finding the newest good checkpoint in '{dir}'", self.process_group
+            lambda: newest_good(*resolve(dir, self._storage_options), deep=deep),
+            f"finding the newest good checkpoint in '{dir}'",
+            self.process_group,
         )
 
     @classmethod
     def read_metadata(cls, dir: str | os.PathLike) -> CheckpointMetadata:
         """The commit record of a checkpoint."""
-        storage, path = resolve(dir)
-        return finders.read_metadata(storage, path)
+        return save_folder.read_metadata(*resolve(dir))
 
 
 def _exclude(

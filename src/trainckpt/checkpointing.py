@@ -24,7 +24,7 @@ from trainckpt.checkpointer import Checkpointer
 from trainckpt.core import dist
 from trainckpt.errors import CheckpointError, ConfigurationError
 from trainckpt.format import layout
-from trainckpt.format.records import read_manifest
+from trainckpt.format.folder import checkpoint_size, find_checkpoints
 from trainckpt.retention.policy import CheckpointPolicy, SaveKind
 from trainckpt.retention.remover import Remover
 from trainckpt.storage import resolve
@@ -290,13 +290,13 @@ def _on_done(save: _Save, future: Future[str]) -> None:
 def _committed_steps(folder: str) -> dict[int, str]:
     """Step -> path of every committed checkpoint in `folder` (none when it does not exist)."""
     try:
-        return dict(Checkpointer.find_checkpoints(folder))
+        return dict(find_checkpoints(*resolve(folder)))
     except FileNotFoundError:
         return {}
 
 
 def _log_committed(save: _Save, seconds: float) -> None:
-    size = _checkpoint_bytes(save.path)
+    size = checkpoint_size(*resolve(save.path))
     rate = f", {size / 1e6:.1f} MB, {size / 1e6 / max(seconds, 1e-9):.1f} MB/s" if size else ""
     log.info(
         "checkpoint event: committed %s '%s' in %.2fs%s",
@@ -305,13 +305,3 @@ def _log_committed(save: _Save, seconds: float) -> None:
         seconds,
         rate,
     )
-
-
-def _checkpoint_bytes(path: str) -> int:
-    """Total size of a committed checkpoint's files, from its manifest (0 if unreadable)."""
-    storage, folder = resolve(path)
-    try:
-        manifest = read_manifest(storage, folder)
-    except (CheckpointError, OSError):
-        return 0
-    return sum(f.size for f in manifest.files.values())

@@ -20,11 +20,11 @@ from typing import Any, Literal
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from trainckpt.checkpointer import Checkpointer
-from trainckpt.cli.inventory import checkpoint_dcp_folder
+from trainckpt.cli.inspect import checkpoint_dcp_folder
 from trainckpt.core.dcp import load_full_state
 from trainckpt.errors import CheckpointExistsError, CheckpointNotFoundError, ConfigurationError
 from trainckpt.format.dcp_metadata import read_dcp_metadata
+from trainckpt.format.verify import verify_checkpoint
 from trainckpt.storage import resolve
 from trainckpt.storage.local import writing
 
@@ -91,7 +91,7 @@ def export_checkpoint(
         _require_safetensors()
     folder = checkpoint_dcp_folder(src_storage, src, command="export {} OUT")
     # sizes against the manifest (one listing): a truncated or missing shard is named up front
-    Checkpointer.verify(src).raise_if_bad()
+    verify_checkpoint(src_storage, src).raise_if_bad()
     metadata = read_dcp_metadata(src_storage, folder)
     prefix = MODEL_PREFIX if model_only else ""
     if not any(k.startswith(prefix) for k in metadata.state_dict_metadata):

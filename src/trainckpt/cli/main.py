@@ -26,17 +26,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from trainckpt.checkpointer import Checkpointer
-from trainckpt.cli.inventory import (
-    FolderEntry,
-    age_seconds,
-    describe_checkpoint,
-    manifest_bytes,
-    require_one_checkpoint,
-    scan_folder,
-)
-from trainckpt.cli.output import human_age, human_size, progress_bar, table
+from trainckpt.cli.inspect import describe_checkpoint, require_one_checkpoint
+from trainckpt.cli.output import age_seconds, human_age, human_size, progress_bar, table
 from trainckpt.errors import CheckpointError, CheckpointNotFoundError
 from trainckpt.format import layout
+from trainckpt.format.folder import FolderEntry, checkpoint_size, scan_folder
 from trainckpt.retention.prune import apply_prune, plan_prune
 from trainckpt.storage import default_options, resolve
 from trainckpt.storage.base import DEFAULT_OPTIONS
@@ -52,7 +46,8 @@ job's `retry_deadline` defaults to 300)."""
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    path, entries = scan_folder(args.folder)
+    storage, path = resolve(args.folder)
+    entries = scan_folder(storage, path)
     if not entries and Checkpointer.dir_is_checkpoint(path):
         raise CheckpointNotFoundError(
             f"'{path}' is a checkpoint, not a folder of checkpoints; "
@@ -150,14 +145,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     require_one_checkpoint(storage, path, "verify {}")
     with progress_bar("verifying", args.progress) as progress:
         if progress is not None:
-            progress.set_total(manifest_bytes(args.ckpt))
+            progress.set_total(checkpoint_size(storage, path))
         report = Checkpointer.verify(args.ckpt, deep=args.deep, progress=progress)
     print(report)
     return EXIT_OK if report.ok else EXIT_PROBLEMS
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    path, entries = scan_folder(args.folder)
+    storage, path = resolve(args.folder)
+    entries = scan_folder(storage, path)
     plan = plan_prune(path, entries, keep_last=args.keep_last, keep_ephemeral=args.keep_ephemeral)
     for d in plan.decisions:
         if not d.delete:

@@ -6,6 +6,7 @@ Kept apart from `cli.py` (what each subcommand does) so either can change alone.
 from __future__ import annotations
 
 import contextlib
+import datetime as _dt
 import sys
 from collections.abc import Iterator
 
@@ -86,3 +87,17 @@ def table(header: list[str], rows: list[list[str]], *, right: set[str], indent: 
         return (indent + "  ".join(cells)).rstrip()
 
     return "\n".join(fmt(r) for r in [header, *rows])
+
+
+def age_seconds(created_at: str | None, now: _dt.datetime | None = None) -> float | None:
+    """Seconds since an ISO-8601 timestamp, or None when there is none or it cannot be parsed."""
+    if not created_at:
+        return None
+    try:
+        then = _dt.datetime.fromisoformat(created_at)
+    except ValueError:
+        return None
+    if then.tzinfo is None:
+        then = then.replace(tzinfo=_dt.timezone.utc)
+    now = now or _dt.datetime.now(_dt.timezone.utc)
+    return max(0.0, (now - then).total_seconds())

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import logging
 
-from trainckpt.core.commit import is_committed
 from trainckpt.errors import ConfigurationError
+from trainckpt.format.folder import is_committed
 from trainckpt.format.layout import MANIFEST_FILE, METADATA_FILE, is_safe_relpath
 from trainckpt.format.records import CheckpointManifest
 from trainckpt.storage import Storage

@@ -34,6 +34,7 @@ from trainckpt.errors import (
     SharedFolderError,
 )
 from trainckpt.faults import fault_point
+from trainckpt.format.folder import delete_step_folder, is_committed
 from trainckpt.format.layout import CLAIM_FILE, MANIFEST_FILE, METADATA_FILE, target_name, tmp_name
 from trainckpt.format.records import CheckpointManifest, CheckpointMetadata
 from trainckpt.storage import Storage
@@ -81,10 +82,6 @@ def save_checkpoint(req: SaveRequest, write: WriteFn) -> str:
     return _save_to_object_store(req, write)
 
 
-def is_committed(storage: Storage, dir: str) -> bool:
-    return storage.exists(storage.join(dir, METADATA_FILE))
-
-
 def delete_leftover(storage: Storage, dir: str) -> bool:
     """Delete an uncommitted step folder (a leftover of an interrupted save), unless it turns
     out to be a save in progress or got committed meanwhile; return whether it was deleted.
@@ -100,7 +97,7 @@ def delete_leftover(storage: Storage, dir: str) -> bool:
             name = storage.name(dir)
             if target_name(name) == name and is_committed(storage, dir):
                 return False  # a save that held the lock committed it meanwhile
-            storage.delete_tree(dir, first=[METADATA_FILE])
+            delete_step_folder(storage, dir)
     except ConcurrentSaveError as e:
         log.info("keeping '%s': %s", dir, e)
         return False
@@ -188,7 +185,7 @@ def _write_and_rename(req: SaveRequest, write: WriteFn, tmp: str, token: str) ->
         if req.overwrite and os.path.lexists(storage.local_path(dir)):
             # save_overwrite of a committed checkpoint: the new one is complete; only now
             # does the old one go, commit record first.
-            storage.delete_tree(dir, first=[METADATA_FILE])
+            delete_step_folder(storage, dir)
         fault_point("before-rename")
         try:
             storage.rename_dir(tmp, dir)
@@ -243,11 +240,13 @@ def _prepare_tmp(storage: Storage, dir: str, tmp: str, overwrite: bool, lock: St
 
 def delete_checkpoint(storage: Storage, path: str) -> None:
     """Delete a checkpoint folder (committed or not, or a `-tmp` working folder), commit
-    record first. On a filesystem the deletion locks the step first (`step_lock.py`): the
-    folders of a save still running are never deleted (`ConcurrentSaveError`), those of a
-    crashed one are. Called on: one process."""
+    record first (`folder.delete_step_folder`). On a filesystem the deletion locks the step
+    first (`step_lock.py`): the folders of a save still running are never deleted
+    (`ConcurrentSaveError`), those of a crashed one are. Called on: one process."""
+    start = time.perf_counter()
     with _deletion_lock(storage, path):
-        storage.delete_tree(path, first=[METADATA_FILE])
+        delete_step_folder(storage, path)
+    log.info("deleted '%s' in %.2fs", path, time.perf_counter() - start)
 
 
 @contextmanager

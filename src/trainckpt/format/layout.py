@@ -20,6 +20,7 @@ DCP_METADATA_FILE = ".metadata"
 TMP_SUFFIX = "-tmp"
 
 _STEP_RE = re.compile(r"^step(-?)(\d+)$")
+_RANK_FILE_RE = re.compile(rf"^{TRAIN_DIR}/rank(\d+)\.pt$")
 
 Naming = Literal["trainckpt", "torchtitan"]
 """Step folder names: `step1000` (trainckpt, OLMo-core) or `step-1000` (torchtitan). A
@@ -41,6 +42,15 @@ def parse_step(name: str) -> int | None:
     return int(m.group(2)) if m else None
 
 
+def parse_step_folder(name: str) -> tuple[int, bool] | None:
+    """(step, whether it is a `-tmp` working folder) of a step folder name of either naming,
+    with or without the `-tmp` suffix; None for any other name. The one place that suffix is
+    parsed."""
+    base = target_name(name)
+    step = parse_step(base)
+    return None if step is None else (step, base != name)
+
+
 def is_torchtitan_name(name: str) -> bool:
     """True for a torchtitan-named step folder (`step-1000`). Such a folder without a commit
     record is a checkpoint torchtitan wrote, never a leftover of ours to delete."""
@@ -56,6 +66,13 @@ def dcp_dirname(name: str) -> str:
 def trainer_state_file(rank: int) -> str:
     """Path of rank `rank`'s trainer state, relative to the checkpoint folder."""
     return f"{TRAIN_DIR}/rank{rank}.pt"
+
+
+def parse_trainer_state_file(rel: str) -> int | None:
+    """The rank of a trainer-state file path (`train/rank3.pt`, relative to the checkpoint
+    folder), or None for any other path."""
+    m = _RANK_FILE_RE.match(rel)
+    return int(m.group(1)) if m else None
 
 
 def tmp_name(name: str) -> str:

@@ -10,9 +10,9 @@ the storage interface; nothing from the checkpoint is run (the metadata is read 
 
 from __future__ import annotations
 
-from trainckpt.core.commit import is_committed
 from trainckpt.errors import CheckpointError
-from trainckpt.format import finders, layout
+from trainckpt.format import layout
+from trainckpt.format.folder import is_committed, step_folders
 from trainckpt.storage import Storage
 
 HF_INDEX_FILE = "model.safetensors.index.json"
@@ -22,13 +22,13 @@ def torchtitan_checkpoints(storage: Storage, path: str) -> list[tuple[int, str]]
     """(step, path) of the `step-N` folders under `path` that torchtitan wrote (no commit
     record; DCP `.metadata` or a safetensors index inside), ascending by step."""
     found = []
-    for step, ckpt in finders.step_folders(storage, path):
-        if not layout.is_torchtitan_name(storage.name(ckpt)) or is_committed(storage, ckpt):
+    for f in step_folders(storage, path):
+        if not layout.is_torchtitan_name(f.name) or is_committed(storage, f.path):
             continue
-        if storage.exists(storage.join(ckpt, layout.DCP_METADATA_FILE)) or storage.exists(
-            storage.join(ckpt, HF_INDEX_FILE)
+        if storage.exists(storage.join(f.path, layout.DCP_METADATA_FILE)) or storage.exists(
+            storage.join(f.path, HF_INDEX_FILE)
         ):
-            found.append((step, ckpt))
+            found.append((f.step, f.path))
     return found
 
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import google_crc32c
 
 from trainckpt.core import dist
-from trainckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from trainckpt.errors import CorruptCheckpointError
+from trainckpt.format.folder import is_committed, require_folder, step_folders
 from trainckpt.format.layout import (
     CLAIM_FILE,
     DCP_METADATA_FILE,
@@ -130,6 +131,31 @@ def verify_checkpoint(
     return report
 
 
+def newest_good(storage: Storage, path: str, *, deep: bool = False) -> str | None:
+    """The newest committed checkpoint under `path` that passes `verify_checkpoint` (sizes, or
+    with `deep` every CRC32C), checked from the newest down; each one that fails is skipped
+    with a warning naming it and why. None when there is none, or no folder at `path`.
+    Called on: one process (`Checkpointer.find_latest_good` runs it on rank 0)."""
+    try:
+        folders = step_folders(storage, path)
+    except FileNotFoundError:
+        if storage.exists(path):
+            raise
+        return None
+    for f in reversed(folders):
+        if not is_committed(storage, f.path):
+            continue
+        report = verify_checkpoint(storage, f.path, deep=deep)
+        if report.ok:
+            return f.path
+        log.warning(
+            "skipping checkpoint '%s': it failed verification: %s",
+            f.path,
+            "; ".join(report.problems),
+        )
+    return None
+
+
 def _read_records(storage: Storage, path: str, report: VerifyReport) -> CheckpointManifest | None:
     """The manifest, or None after noting why the files cannot be checked against one."""
     meta_at = storage.join(path, METADATA_FILE)
@@ -163,27 +189,6 @@ def _read_records(storage: Storage, path: str, report: VerifyReport) -> Checkpoi
 
 def _is_bare_dcp(storage: Storage, path: str) -> bool:
     return storage.exists(storage.join(path, DCP_METADATA_FILE))
-
-
-def require_folder(storage: Storage, path: str) -> None:
-    """Raise a clear `CheckpointNotFoundError` when `path` is no folder at all."""
-    if storage.exists(path):
-        raise CheckpointNotFoundError(
-            f"'{path}' is a file, not a checkpoint folder: pass a step folder such as "
-            f"'{storage.parent(path)}/step1000'"
-        )
-    try:
-        listing = storage.list_dir(path) if storage.supports_listing else None
-    except FileNotFoundError as e:
-        raise CheckpointNotFoundError(
-            f"'{path}' does not exist: check the path, or use "
-            "Checkpointer.latest_checkpoint(folder) to find a checkpoint"
-        ) from e
-    if listing is not None and not listing.dirs and not listing.files:
-        raise CheckpointNotFoundError(
-            f"'{path}' does not exist or is empty: check the path, or use "
-            "Checkpointer.latest_checkpoint(folder) to find a checkpoint"
-        )
 
 
 def _listing(storage: Storage, path: str, manifest: CheckpointManifest) -> dict[str, int]:

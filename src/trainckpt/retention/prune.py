@@ -1,9 +1,9 @@
 """`trainckpt prune`: which step folders of a save folder to delete, and deleting them safely.
 
-`plan_prune` is pure (folder entries in, decisions out) so the rules can be read and tested
-without a disk; `apply_prune` deletes through `Checkpointer.delete`, which removes the commit
-record first, so an interrupted prune leaves uncommitted folders that no finder reports, never a
-torn checkpoint that looks good.
+`plan_prune` is pure (folder entries of `format.folder.scan_folder` in, decisions out) so the
+rules can be read and tested without a disk; `apply_prune` deletes through
+`commit.delete_checkpoint`, which removes the commit record first, so an interrupted prune leaves
+uncommitted folders that no finder reports, never a torn checkpoint that looks good.
 """
 
 from __future__ import annotations
@@ -11,10 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from trainckpt.checkpointer import Checkpointer
-from trainckpt.cli.inventory import FolderEntry
-from trainckpt.core.commit import delete_leftover
+from trainckpt.core.commit import delete_checkpoint, delete_leftover
 from trainckpt.errors import CheckpointNotFoundError, ConcurrentSaveError, ConfigurationError
+from trainckpt.format.folder import FolderEntry
 from trainckpt.storage import resolve
 
 
@@ -113,7 +112,7 @@ def apply_prune(
     for entry in plan.to_delete:
         if entry.state == "committed":
             try:
-                Checkpointer.delete(entry.path)
+                delete_checkpoint(storage, entry.path)
             except ConcurrentSaveError:  # a save_overwrite of this step holds its lock
                 on_kept(entry)
                 continue

@@ -1,172 +1,26 @@
-"""Read-only reports on save folders and checkpoints, for the `trainckpt` command.
+"""`trainckpt inspect`: what one checkpoint holds, as data the command prints.
 
-`scan_folder` lists every step folder of a save folder (committed, uncommitted and `-tmp`
-leftovers) with its size and records; `describe_checkpoint` summarises one checkpoint: commit
-record, manifest, trainer-state keys and every DCP value. Both go through the storage interface,
-so they work on local folders and object stores alike, and both load nothing that could run code
-(trainer state with `weights_only=True`, DCP metadata with the allow-list unpickler).
+`describe_checkpoint` summarises one checkpoint: commit record, manifest, trainer-state keys
+and every DCP value. It goes through the storage interface, so it works on local folders and
+object stores alike, and loads nothing that could run code (trainer state with
+`weights_only=True`, DCP metadata with the allow-list unpickler). What a save folder holds is
+`format.folder`'s; how it is printed is `cli.output`'s.
 """
 
 from __future__ import annotations
 
-import datetime as _dt
-import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from trainckpt.checkpointer import Checkpointer
 from trainckpt.errors import CheckpointError, CheckpointNotFoundError
-from trainckpt.format import layout
+from trainckpt.format import folder, layout
 from trainckpt.format.dcp_metadata import read_dcp_metadata
-from trainckpt.format.finders import dcp_folder
-from trainckpt.format.records import (
-    CheckpointManifest,
-    CheckpointMetadata,
-    read_manifest,
-    read_metadata,
-)
+from trainckpt.format.records import CheckpointManifest, CheckpointMetadata, read_manifest
 from trainckpt.format.trainer_state import deserialize_trainer_state
 from trainckpt.storage import Storage, resolve
-
-FolderState = Literal["committed", "damaged", "uncommitted", "tmp"]
-"""`damaged`: a commit record is there, but it or the manifest cannot be read (see the note);
-finders skip such a folder, retention and `prune` keep it for a person to look at."""
-
-_RANK_FILE_RE = re.compile(rf"^{layout.TRAIN_DIR}/rank\d+\.pt$")
-
-
-@dataclass(frozen=True)
-class FolderEntry:
-    """One step folder of a save folder, as `trainckpt ls` shows it."""
-
-    name: str
-    path: str
-    step: int
-    state: FolderState
-    ephemeral: bool | None
-    """From the commit record; None when not committed or the record cannot be read."""
-    size: int
-    files: int
-    created_at: str | None
-    """From the manifest (UTC ISO-8601); None without one."""
-    world_size: int | None
-    note: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "path": self.path,
-            "step": self.step,
-            "state": self.state,
-            "ephemeral": self.ephemeral,
-            "size": self.size,
-            "files": self.files,
-            "created_at": self.created_at,
-            "world_size": self.world_size,
-            "note": self.note,
-        }
-
-
-def scan_folder(folder: str) -> tuple[str, list[FolderEntry]]:
-    """The canonical path of `folder` and its step folders (`stepN`, committed or not, and
-    `stepN-tmp`), by step then name. Other folders and files are ignored. One listing of the
-    folder, one listing per step folder, and a read of each commit record and manifest."""
-    storage, path = resolve(folder)
-    listing = storage.list_dir(path)
-    entries: list[FolderEntry] = []
-    for name in listing.dirs:
-        step = layout.parse_step(name)
-        tmp = False
-        if step is None and name.endswith(layout.TMP_SUFFIX):
-            step = layout.parse_step(name[: -len(layout.TMP_SUFFIX)])
-            tmp = True
-        if step is None:
-            continue
-        try:
-            entry = _describe_entry(storage, storage.join(path, name), name, step, tmp)
-        except CheckpointNotFoundError:  # gone since the listing (a save renamed its -tmp)
-            continue
-        if entry.state == "uncommitted" and layout.is_torchtitan_name(name):
-            continue  # a checkpoint torchtitan wrote: neither ours to list nor to prune
-        entries.append(entry)
-    entries.sort(key=lambda e: (e.step, e.name))
-    return path, entries
-
-
-def _describe_entry(storage: Storage, path: str, name: str, step: int, tmp: bool) -> FolderEntry:
-    files = storage.list_files(path)
-    committed = layout.METADATA_FILE in files
-    state: FolderState = "tmp" if tmp else "committed" if committed else "uncommitted"
-    notes: list[str] = []
-    damaged: list[str] = []
-    ephemeral: bool | None = None
-    if committed:
-        try:
-            ephemeral = read_metadata(storage, path).ephemeral
-        except CheckpointError as e:
-            damaged.append(f"unreadable commit record: {e}")
-    manifest: CheckpointManifest | None = None
-    if layout.MANIFEST_FILE in files:
-        try:
-            manifest = read_manifest(storage, path)
-        except CheckpointError as e:
-            damaged.append(f"unreadable manifest: {e}")
-    elif committed:
-        notes.append("no manifest (unverifiable)")
-    if layout.CLAIM_FILE in files and not committed:
-        notes.append("claimed: a save in progress, or a crashed one the next save takes over")
-    if damaged and state == "committed":
-        state = "damaged"
-    notes = damaged + notes
-    world_size = manifest.world_size if manifest else _count_rank_files(files)
-    return FolderEntry(
-        name=name,
-        path=path,
-        step=step,
-        state=state,
-        ephemeral=ephemeral,
-        size=sum(files.values()),
-        files=len(files),
-        created_at=manifest.created_at if manifest else None,
-        world_size=world_size,
-        note="; ".join(notes),
-    )
-
-
-def manifest_bytes(ckpt: str) -> int | None:
-    """Total size of the files a checkpoint's manifest lists, or None without a readable one."""
-    storage, path = resolve(ckpt)
-    try:
-        manifest = read_manifest(storage, path)
-    except (CheckpointError, FileNotFoundError):
-        return None
-    return sum(e.size for e in manifest.files.values())
-
-
-def _count_rank_files(files: dict[str, int]) -> int | None:
-    """World size guessed from `train/rank{R}.pt` files (checkpoints without a manifest)."""
-    ranks = sum(1 for rel in files if _RANK_FILE_RE.match(rel))
-    return ranks or None
-
-
-def age_seconds(created_at: str | None, now: _dt.datetime | None = None) -> float | None:
-    """Seconds since an ISO-8601 timestamp, or None when there is none or it cannot be parsed."""
-    if not created_at:
-        return None
-    try:
-        then = _dt.datetime.fromisoformat(created_at)
-    except ValueError:
-        return None
-    if then.tzinfo is None:
-        then = then.replace(tzinfo=_dt.timezone.utc)
-    now = now or _dt.datetime.now(_dt.timezone.utc)
-    return max(0.0, (now - then).total_seconds())
-
-
-# -- one checkpoint ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -245,7 +99,7 @@ def describe_checkpoint(ckpt: str) -> CheckpointReport:
     notes: list[str] = []
     metadata: CheckpointMetadata | None = None
     if storage.exists(storage.join(path, layout.METADATA_FILE)):
-        metadata = Checkpointer.read_metadata(path)
+        metadata = folder.read_metadata(storage, path)
     elif dcp_folder == path:
         notes.append("no commit record: a bare DCP folder (model weights only)")
     else:
@@ -283,7 +137,7 @@ def checkpoint_dcp_folder(storage: Storage, path: str, command: str = "inspect {
     whether it is a file, does not exist or is a save folder (naming its newest checkpoint
     and the `trainckpt` `command` to run on it)."""
     try:
-        return dcp_folder(storage, path)
+        return folder.dcp_folder(storage, path)
     except CheckpointNotFoundError:
         require_one_checkpoint(storage, path, command)
         raise
@@ -295,7 +149,7 @@ def require_one_checkpoint(storage: Storage, path: str, command: str) -> None:
     `trainckpt` command to use instead (`command`, with `{}` where the checkpoint goes). A
     checkpoint, a bare DCP folder or an uncommitted step folder (whose problems the caller
     reports) passes."""
-    if Checkpointer.dir_is_checkpoint(path):
+    if folder.is_checkpoint(storage, path):
         return
     if storage.exists(path):
         raise CheckpointNotFoundError(
@@ -312,7 +166,7 @@ def require_one_checkpoint(storage: Storage, path: str, command: str) -> None:
             "`trainckpt ls FOLDER` lists the checkpoints of a save folder"
         )
     try:
-        latest = Checkpointer.latest_checkpoint(path)
+        latest = folder.latest_checkpoint(storage, path)
     except CheckpointError:
         return
     raise CheckpointNotFoundError(
@@ -327,10 +181,8 @@ def _trainer_state_files(storage: Storage, path: str) -> list[str]:
         listing = storage.list_dir(storage.join(path, layout.TRAIN_DIR))
     except FileNotFoundError:
         return []
-    ranks = sorted(
-        int(m.group(1)) for name in listing.files if (m := re.match(r"^rank(\d+)\.pt$", name))
-    )
-    return [layout.trainer_state_file(r) for r in ranks]
+    ranks = (layout.parse_trainer_state_file(f"{layout.TRAIN_DIR}/{n}") for n in listing.files)
+    return [layout.trainer_state_file(r) for r in sorted(r for r in ranks if r is not None)]
 
 
 def _value_info(key: str, md: Any) -> ValueInfo:

@@ -1,0 +1,377 @@
+"""The one model of a save folder: its step folders, what each holds, and deleting one.
+
+A save folder holds step folders named `stepN` (trainckpt, OLMo-core) or `step-N` (torchtitan),
+and the `-tmp` working folders of saves in progress or interrupted (names parsed by
+`layout.parse_step_folder` only). A step folder is a checkpoint only when its commit record
+(`.metadata.json`) exists. One whose commit record or manifest is there but cannot be read is
+`damaged`: retention and `prune` keep it for a person to look at, never counting it as the newest.
+The finders read the commit record only: one that cannot be read is skipped with a warning, a
+damaged manifest fails verification (so `load` refuses it, `find_latest_good` skips it). A
+`step-N` folder without a commit record is a checkpoint torchtitan wrote: neither ours to list nor
+to delete.
+
+Everything that reads a save folder goes through here: the finders, `Checkpointer`'s finding
+classmethods, retention, `prune`, `trainckpt ls` and `find_latest_good` (`verify.newest_good`).
+Records are read through `records.py`'s size-bounded readers, each once per scan. Pure reads
+through the `Storage` interface (local paths and URLs alike), no process group; called on any
+one process.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from trainckpt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    ConfigurationError,
+    CorruptCheckpointError,
+)
+from trainckpt.format import layout
+from trainckpt.format.records import CheckpointManifest, CheckpointMetadata, read_manifest
+from trainckpt.format.records import read_metadata as read_commit_record
+from trainckpt.storage import Storage
+
+log = logging.getLogger(__name__)
+
+State = Literal["committed", "damaged", "uncommitted", "tmp"]
+"""`damaged`: a commit record is there, but it or the manifest cannot be read."""
+
+
+# -- step folders by name ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepFolder:
+    """A step folder directly under a save folder, as its name tells (no request made)."""
+
+    name: str
+    path: str
+    step: int
+    tmp: bool
+    """A `-tmp` working folder of a save (running, or interrupted)."""
+
+    def ours(self, committed: bool) -> bool:
+        """False for a `step-N` folder without a commit record: a checkpoint torchtitan wrote
+        (or is writing), never a leftover of ours to list or delete."""
+        return committed or self.tmp or not layout.is_torchtitan_name(self.name)
+
+
+def step_folders(storage: Storage, path: str, *, tmp: bool = False) -> list[StepFolder]:
+    """Step folders directly under `path` (with `tmp`, the `-tmp` working folders too), by step
+    then name, from one listing. A missing folder raises `FileNotFoundError`; a back end that
+    cannot list (HTTP) raises `ConfigurationError`."""
+    if not storage.supports_listing:
+        raise ConfigurationError(
+            f"'{path}' cannot be listed (that storage has no listing); "
+            "pass the URL of one checkpoint instead of a folder of checkpoints"
+        )
+    found = []
+    for name in storage.list_dir(path).dirs:
+        parsed = layout.parse_step_folder(name)
+        if parsed is not None and (tmp or not parsed[1]):
+            found.append(StepFolder(name, storage.join(path, name), *parsed))
+    return sorted(found, key=lambda f: (f.step, f.name))
+
+
+# -- records ---------------------------------------------------------------------------------------
+
+
+def is_committed(storage: Storage, ckpt: str) -> bool:
+    """True when step folder `ckpt` has a commit record (one existence check; the record is
+    not read)."""
+    return storage.exists(storage.join(ckpt, layout.METADATA_FILE))
+
+
+def is_checkpoint(storage: Storage, path: str) -> bool:
+    """True for a committed checkpoint or a bare DCP folder (model weights only)."""
+    return is_committed(storage, path) or storage.exists(
+        storage.join(path, layout.DCP_METADATA_FILE)
+    )
+
+
+def commit_record(storage: Storage, ckpt: str) -> CheckpointMetadata | None:
+    """The commit record of step folder `ckpt`; None when it has none (not committed) or when
+    the record is damaged, which is logged as a warning naming the file."""
+    try:
+        return read_commit_record(storage, ckpt)
+    except FileNotFoundError:
+        return None
+    except CorruptCheckpointError as e:
+        log.warning("skipping '%s': %s", ckpt, e)
+        return None
+
+
+def read_metadata(storage: Storage, path: str) -> CheckpointMetadata:
+    """The commit record of the checkpoint at `path`; `CheckpointNotFoundError` without one."""
+    try:
+        return read_commit_record(storage, path)
+    except FileNotFoundError as e:
+        raise CheckpointNotFoundError(
+            f"'{path}' is not a committed checkpoint: "
+            f"'{storage.join(path, layout.METADATA_FILE)}' does not exist"
+        ) from e
+
+
+@dataclass(frozen=True)
+class Records:
+    """A step folder's commit record and manifest, each read once. A record that is absent is
+    None; one that is there but cannot be read is None too, and `problems` says why."""
+
+    metadata: CheckpointMetadata | None = None
+    manifest: CheckpointManifest | None = None
+    problems: tuple[str, ...] = ()
+
+
+def read_records(storage: Storage, ckpt: str, listed: Collection[str] | None = None) -> Records:
+    """The records of step folder `ckpt`. `listed`: the files a listing of the folder showed;
+    a record not among them is absent without a request, and one among them that cannot be
+    read (gone since, damaged, hostile, too large) is a problem. Without `listed` the caller
+    has seen the commit record (`is_committed`), so both are read and only a missing manifest
+    is fine (OLMo-core writes none)."""
+    metadata: CheckpointMetadata | None = None
+    manifest: CheckpointManifest | None = None
+    problems: list[str] = []
+    if listed is None or layout.METADATA_FILE in listed:
+        try:
+            metadata = read_commit_record(storage, ckpt)
+        except (CheckpointError, OSError) as e:
+            problems.append(f"unreadable commit record: {e}")
+    if listed is None or layout.MANIFEST_FILE in listed:
+        try:
+            manifest = read_manifest(storage, ckpt)
+        except FileNotFoundError as e:
+            if listed is not None:
+                problems.append(f"unreadable manifest: {e}")
+        except (CheckpointError, OSError) as e:
+            problems.append(f"unreadable manifest: {e}")
+    return Records(metadata, manifest, tuple(problems))
+
+
+def state_of(folder: StepFolder, committed: bool, records: Records) -> State | None:
+    """The state of a step folder whose commit record was seen (`committed`) or not, with the
+    records read of it; None when it is not ours (`StepFolder.ours`). The one rule the finders,
+    retention, `prune` and `ls` share."""
+    if folder.tmp:
+        return "tmp"
+    if not committed:
+        return "uncommitted" if folder.ours(committed) else None
+    if records.problems or records.metadata is None:
+        return "damaged"
+    return "committed"
+
+
+def step_states(
+    storage: Storage,
+    path: str,
+    read: Callable[[Storage, str], Records] = read_records,
+) -> list[tuple[StepFolder, State, Records]]:
+    """Every step folder of ours under `path` (`-tmp` ones too) with its state: one listing,
+    one commit-record check per step folder but the `-tmp` ones, and `read(storage, ckpt)` of
+    each committed one (retention passes a cache). A missing folder holds none."""
+    try:
+        folders = step_folders(storage, path, tmp=True)
+    except FileNotFoundError:
+        return []
+    out = []
+    for f in folders:
+        committed = not f.tmp and is_committed(storage, f.path)
+        records = read(storage, f.path) if committed else Records()
+        state = state_of(f, committed, records)
+        if state is not None:
+            out.append((f, state, records))
+    return out
+
+
+# -- finders ---------------------------------------------------------------------------------------
+
+
+def find_checkpoints(
+    storage: Storage, path: str, ephemeral: bool | None = None
+) -> Iterator[tuple[int, str]]:
+    """Committed checkpoints directly under `path`, ascending by step: one listing, then one
+    read of each step folder's commit record (a missing one means not committed, a damaged
+    one is skipped with a warning)."""
+    for f in step_folders(storage, path):
+        record = commit_record(storage, f.path)
+        if record is not None and ephemeral in (None, record.ephemeral):
+            yield f.step, f.path
+
+
+def latest_checkpoint(storage: Storage, path: str) -> str:
+    """The committed checkpoint with the highest step under `path`, probing from the newest
+    down (one read per step folder probed); `CheckpointNotFoundError` when there is none."""
+    for f in reversed(step_folders(storage, path)):
+        if commit_record(storage, f.path) is not None:
+            return f.path
+    raise CheckpointNotFoundError(
+        f"no committed checkpoint in '{path}' (looked for step folders holding "
+        f"{layout.METADATA_FILE}); start from scratch or point to another folder"
+    )
+
+
+def contains_checkpoint(storage: Storage, path: str) -> bool:
+    """True when `path` is a checkpoint (or bare DCP folder) or holds at least one."""
+    if is_checkpoint(storage, path):
+        return True
+    try:
+        latest_checkpoint(storage, path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+# -- one checkpoint --------------------------------------------------------------------------------
+
+
+def saved_world_size(storage: Storage, path: str) -> int | None:
+    """The world size recorded in a checkpoint's manifest; None without one (OLMo-core's)."""
+    try:
+        return read_manifest(storage, path).world_size
+    except FileNotFoundError:
+        return None
+
+
+def checkpoint_size(storage: Storage, ckpt: str) -> int | None:
+    """Total bytes of the files a checkpoint's manifest lists; None (unknown) without a
+    readable manifest."""
+    try:
+        manifest = read_manifest(storage, ckpt)
+    except (CheckpointError, OSError):
+        return None
+    return sum(e.size for e in manifest.files.values())
+
+
+def dcp_folder(storage: Storage, path: str) -> str:
+    """The DCP folder of a checkpoint: `model_and_optim/`, or the folder itself when bare."""
+    nested = storage.join(path, layout.MODEL_DIR)
+    if storage.exists(storage.join(nested, layout.DCP_METADATA_FILE)):
+        return nested
+    if storage.exists(storage.join(path, layout.DCP_METADATA_FILE)):
+        return path
+    if is_committed(storage, path):
+        raise CorruptCheckpointError(
+            f"'{path}' is committed but '{nested}/{layout.DCP_METADATA_FILE}' is missing; the "
+            "checkpoint is damaged: load an older one or restore it from a copy"
+        )
+    require_folder(storage, path)  # a clearer error for a missing path or a file
+    raise CheckpointNotFoundError(
+        f"'{path}' is not a checkpoint (no {layout.METADATA_FILE}, no "
+        f"{layout.MODEL_DIR}/{layout.DCP_METADATA_FILE}); check the path, or use "
+        "Checkpointer.latest_checkpoint(folder) to find one"
+    )
+
+
+def require_folder(storage: Storage, path: str) -> None:
+    """Raise a clear `CheckpointNotFoundError` when `path` is no folder at all."""
+    if storage.exists(path):
+        raise CheckpointNotFoundError(
+            f"'{path}' is a file, not a checkpoint folder: pass a step folder such as "
+            f"'{storage.parent(path)}/step1000'"
+        )
+    try:
+        listing = storage.list_dir(path) if storage.supports_listing else None
+    except FileNotFoundError as e:
+        raise CheckpointNotFoundError(
+            f"'{path}' does not exist: check the path, or use "
+            "Checkpointer.latest_checkpoint(folder) to find a checkpoint"
+        ) from e
+    if listing is not None and not listing.dirs and not listing.files:
+        raise CheckpointNotFoundError(
+            f"'{path}' does not exist or is empty: check the path, or use "
+            "Checkpointer.latest_checkpoint(folder) to find a checkpoint"
+        )
+
+
+# -- the full scan (`trainckpt ls`, `prune`) -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FolderEntry:
+    """One step folder of a save folder, as `trainckpt ls` shows it and `prune` decides on."""
+
+    name: str
+    path: str
+    step: int
+    state: State
+    ephemeral: bool | None
+    """From the commit record; None when not committed or the record cannot be read."""
+    size: int
+    """Bytes of every file the folder holds now (listed), records included."""
+    files: int
+    created_at: str | None
+    """From the manifest (UTC ISO-8601); None without one."""
+    world_size: int | None
+    note: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "path": self.path,
+            "step": self.step,
+            "state": self.state,
+            "ephemeral": self.ephemeral,
+            "size": self.size,
+            "files": self.files,
+            "created_at": self.created_at,
+            "world_size": self.world_size,
+            "note": self.note,
+        }
+
+
+def scan_folder(storage: Storage, path: str) -> list[FolderEntry]:
+    """Every step folder of ours under `path` (committed or not, `-tmp` ones too), by step then
+    name. One listing of the folder, one listing per step folder, and a read of each commit
+    record and manifest there is. A missing folder raises `FileNotFoundError`."""
+    entries = []
+    for f in step_folders(storage, path, tmp=True):
+        try:
+            entry = _describe(storage, f)
+        except CheckpointNotFoundError:  # gone since the listing (a save renamed its -tmp)
+            continue
+        if entry is not None:
+            entries.append(entry)
+    return entries
+
+
+def _describe(storage: Storage, folder: StepFolder) -> FolderEntry | None:
+    files = storage.list_files(folder.path)
+    committed = layout.METADATA_FILE in files
+    if not folder.ours(committed):
+        return None
+    records = read_records(storage, folder.path, listed=files)
+    state = state_of(folder, committed, records)
+    assert state is not None
+    notes = list(records.problems)
+    if committed and layout.MANIFEST_FILE not in files:
+        notes.append("no manifest (unverifiable)")
+    if layout.CLAIM_FILE in files and not committed:
+        notes.append("claimed: a save in progress, or a crashed one the next save takes over")
+    manifest = records.manifest
+    ranks = sum(1 for rel in files if layout.parse_trainer_state_file(rel) is not None)
+    return FolderEntry(
+        name=folder.name,
+        path=folder.path,
+        step=folder.step,
+        state=state,
+        ephemeral=records.metadata.ephemeral if records.metadata else None,
+        size=sum(files.values()),
+        files=len(files),
+        created_at=manifest.created_at if manifest else None,
+        world_size=manifest.world_size if manifest else ranks or None,
+        note="; ".join(notes),
+    )
+
+
+# -- deleting --------------------------------------------------------------------------------------
+
+
+def delete_step_folder(storage: Storage, path: str) -> None:
+    """Delete a step folder, its commit record first, so a crash midway (`during-delete`)
+    leaves an uncommitted folder no finder reports, never a torn checkpoint. A missing folder
+    is ignored; on a filesystem a symbolic link loses only the link. No lock is taken here:
+    `core/commit.py` holds the step's lock around it. Called on: one process."""
+    storage.delete_tree(path, first=[layout.METADATA_FILE])
