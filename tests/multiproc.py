@@ -76,8 +76,10 @@ def launch_ranks(
     prefix: Callable[[int], list[str]] | None = None,
     env: Callable[[int], dict[str, str]] | None = None,
     timeout: float = 240,
+    worker: Path = WORKER,
 ) -> list[tuple[int, dict | None]]:
-    """Run `tests/rank_worker.py SCENARIO` as `world_size` separate processes (one per rank,
+    """Run `tests/rank_worker.py SCENARIO` (or another `worker` script that runs
+    `rank_worker.main`) as `world_size` separate processes (one per rank,
     optionally wrapped by `prefix(rank)`, e.g. in its own mount namespace) and return each
     rank's (exit code, JSON result or None). Ranks that outlive `timeout` are killed and fail
     the call: a hang is a test failure, never a pass."""
@@ -98,7 +100,7 @@ def launch_ranks(
         cmd = [
             *(prefix(rank) if prefix else []),
             sys.executable,
-            str(WORKER),
+            str(worker),
             scenario,
             str(out),
             *args,

@@ -25,6 +25,15 @@ POINTS = (
     "after-rename",  # rank 0, `<dir>` renamed into place, other ranks not told yet
     "during-delete",  # a deletion removed `.metadata.json` and nothing else yet
 )
+"""Points of the save folder's commit protocol (each is reached by every save)."""
+
+LOCAL_POINTS = (  # the node-local tier (core/local_tier.py)
+    "local-writing",  # this rank's module state of its part is written, its trainer state not
+    "local-replicating",  # the first chunk of every replica (and restore copy) went out
+    "local-between-phases",  # every part and replica durable and agreed, no commit marker yet
+    "local-cleanup",  # retention removed an old step's commit markers, not its parts yet
+)
+"""Points of the node-local tier's save (`local-cleanup`: only when a step is deleted)."""
 
 
 _hooks: dict[str, Callable[[], None]] = {}
@@ -48,8 +57,8 @@ def fault_point(name: str) -> None:
 def on_fault_point(name: str, hook: Callable[[], None]) -> Iterator[None]:
     """Test-only: run `hook` in this process each time the protocol reaches point `name`
     (e.g. delete a working folder at a known moment), until the block ends."""
-    if name not in POINTS:
-        raise ValueError(f"unknown fault point {name!r}; known: {POINTS}")
+    if name not in POINTS + LOCAL_POINTS:
+        raise ValueError(f"unknown fault point {name!r}; known: {POINTS + LOCAL_POINTS}")
     _hooks[name] = hook
     try:
         yield

@@ -35,7 +35,7 @@ def get_world_size(group: ProcessGroup | None = None) -> int:
 
 
 @contextmanager
-def _peers(what: str) -> Generator[None, None, None]:
+def peers(what: str) -> Generator[None, None, None]:
     """Turn a collective that failed because a peer died or timed out into `RankFailedError`."""
     try:
         yield
@@ -50,7 +50,7 @@ def _peers(what: str) -> Generator[None, None, None]:
 def barrier(group: ProcessGroup | None = None) -> None:
     """Called on: all ranks of `group`."""
     if is_distributed():
-        with _peers("waiting at a barrier"):
+        with peers("waiting at a barrier"):
             dist.barrier(group=group)
 
 
@@ -59,7 +59,7 @@ def broadcast_object(obj: T, group: ProcessGroup | None = None) -> T:
     if not is_distributed():
         return obj
     box = [obj]
-    with _peers("waiting for rank 0"):
+    with peers("waiting for rank 0"):
         src = dist.get_global_rank(group, 0) if group else 0
         dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
@@ -70,7 +70,7 @@ def all_gather_object(obj: T, group: ProcessGroup | None = None) -> list[T]:
     if not is_distributed():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size(group)
-    with _peers("exchanging state with the other ranks"):
+    with peers("exchanging state with the other ranks"):
         dist.all_gather_object(out, obj, group=group)
     return out
 

@@ -91,7 +91,7 @@ class Stager:
         return stream
 
     def _copy(self, obj: Any, path: str, used: set[str]) -> Any:
-        DTensor = _dtensor_type()
+        DTensor = dtensor_type()
         if DTensor is not None and isinstance(obj, DTensor):
             local = self._copy_tensor(obj.to_local(), path, used)
             return DTensor.from_local(
@@ -138,7 +138,7 @@ def _cuda_in_use() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
-def _dtensor_type() -> Any:
+def dtensor_type() -> Any:
     """`DTensor` if it was imported (no DTensor can exist otherwise), else None: importing it
     takes about a second, which `import trainckpt` should not cost."""
     module = sys.modules.get("torch.distributed.tensor")

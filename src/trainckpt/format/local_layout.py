@@ -1,0 +1,275 @@
+"""The node-local tier's on-disk layout and records (DESIGN §9; README "Local checkpoints and
+replication").
+
+```
+<local_dir>/                    the same path on every node, each node's own disk
+  .node-id                      random id of this disk (created once): which ranks share it
+  step{S}/
+    {attempt}/                  one save attempt of step S (id chosen by rank 0 of that save)
+      rank{R}/                  the part of owner rank R: its own copy, or a replica
+        module.pt               the rank's module state (torch.save, local shards only)
+        train.pt                the rank's trainer state (torch.save of plain data)
+        part.json               written last: owner, step, attempt, world size, size + CRC32C
+      commit.rank{H}.json       phase-2 marker of holder rank H: the parts H holds here
+```
+
+A part counts only where a commit marker of its own attempt, in the same attempt folder, lists
+its owner: parts of two attempts at one step are never combined, and a crash before the markers
+leaves nothing that counts. Everything here is what one disk holds; deciding what the job can
+restore (the coverage vote) is `core/local_tier.py`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from trainckpt.errors import CorruptCheckpointError
+from trainckpt.format.layout import FORMAT_VERSION
+from trainckpt.format.records import read_record_bytes
+from trainckpt.storage.checksums import FileEntry
+from trainckpt.storage.local import LocalStorage
+
+log = logging.getLogger(__name__)
+
+NODE_ID_FILE = ".node-id"
+MODULE_FILE = "module.pt"
+TRAIN_FILE = "train.pt"
+PART_FILE = "part.json"
+PART_FILES = (MODULE_FILE, TRAIN_FILE)
+"""The data files of a part, in the order a transfer sends them."""
+MAX_RECORD_BYTES = 64 * 1024
+"""Largest `part.json` or commit marker read (they hold a few hundred bytes)."""
+
+_STEP_RE = re.compile(r"^step(\d{1,18})$")
+_ATTEMPT_PATTERN = r"^[0-9a-f]{16}-[0-9a-f]{8}$"
+_ATTEMPT_RE = re.compile(_ATTEMPT_PATTERN)
+_PART_RE = re.compile(r"^rank(\d{1,9})$")
+_COMMIT_RE = re.compile(r"^commit\.rank(\d{1,9})\.json$")
+
+
+def new_attempt_id() -> str:
+    """A fresh save attempt id: nanoseconds since the epoch (so ids sort by time), then random."""
+    return f"{time.time_ns():016x}-{secrets.token_hex(4)}"
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step{step}"
+
+
+def attempt_dir(root: Path, step: int, attempt: str) -> Path:
+    return step_dir(root, step) / attempt
+
+
+def part_dir(root: Path, step: int, attempt: str, owner: int) -> Path:
+    return attempt_dir(root, step, attempt) / f"rank{owner}"
+
+
+def commit_file(root: Path, step: int, attempt: str, holder: int) -> Path:
+    return attempt_dir(root, step, attempt) / f"commit.rank{holder}.json"
+
+
+class LocalPart(BaseModel):
+    """`part.json`: what one owner rank's part of one save attempt holds."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format: Literal[1] = FORMAT_VERSION
+    step: int = Field(ge=0)
+    attempt: str = Field(pattern=_ATTEMPT_PATTERN)
+    owner: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    files: dict[str, FileEntry]
+
+    @field_validator("files")
+    @classmethod
+    def _exactly_the_part_files(cls, files: dict[str, FileEntry]) -> dict[str, FileEntry]:
+        if set(files) != set(PART_FILES):
+            raise ValueError(f"must list exactly {list(PART_FILES)}, lists {sorted(files)}")
+        return files
+
+    @property
+    def size(self) -> int:
+        return sum(e.size for e in self.files.values())
+
+
+class LocalCommit(BaseModel):
+    """`commit.rank{H}.json`: holder rank H's phase-2 marker; its parts of this attempt count."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format: Literal[1] = FORMAT_VERSION
+    step: int = Field(ge=0)
+    attempt: str = Field(pattern=_ATTEMPT_PATTERN)
+    world_size: int = Field(ge=1)
+    holder: int = Field(ge=0)
+    parts: list[int] = Field(max_length=1 << 20)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def read_local_record(path: Path, model: type[M]) -> M:
+    """A `part.json` or commit marker, size-bounded and validated; `CorruptCheckpointError`
+    naming the file when it is not one (`CheckpointNotFoundError` when it is missing)."""
+    data = read_record_bytes(LocalStorage(), str(path), MAX_RECORD_BYTES)
+    try:
+        return model.model_validate_json(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"]) or "(root)"
+        raise CorruptCheckpointError(
+            f"'{path}' is not a valid local-tier record ({loc}: {err['msg']}); that copy is "
+            "ignored (another copy, or an older step, is used)"
+        ) from e
+
+
+def write_local_record(path: Path, record: BaseModel) -> None:
+    """Write a record durably and atomically (temp file, fsync, rename, fsync the folder)."""
+    LocalStorage().write_bytes(str(path), record.model_dump_json(indent=1).encode())
+
+
+def read_node_id(root: Path) -> str:
+    """The id of the disk under `root`, created (once, atomically) by the first rank to ask.
+
+    Ranks that read the same id share a disk: a replica on such a rank would be no replica.
+    Called on: every rank of the local tier, at start-up."""
+    path = root / NODE_ID_FILE
+    if not path.exists():
+        tmp = root / f".node-id.{secrets.token_hex(4)}.tmp"
+        tmp.write_text(secrets.token_hex(16))
+        try:
+            os.link(tmp, path)  # fails if another rank of this node was first: use its id
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+    return path.read_text().strip()
+
+
+@dataclass(frozen=True)
+class Holding:
+    """A committed part on this disk: counted in the coverage vote."""
+
+    step: int
+    attempt: str
+    owner: int
+    world_size: int
+    size: int
+    """Bytes of its data files on disk (the manifest's total when the sizes matched)."""
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """Something of the local tier on this disk that counts for nothing (a crash left it)."""
+
+    path: Path
+    why: str
+
+
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """The step folders under `root`, ascending by step (other entries are not ours)."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in names:
+        m = _STEP_RE.match(name)
+        if m and (root / name).is_dir() and not (root / name).is_symlink():
+            out.append((int(m.group(1)), root / name))
+    return sorted(out)
+
+
+def _commits(folder: Path) -> dict[int, LocalCommit | None]:
+    """The commit markers in an attempt folder by holder (None: unreadable)."""
+    out: dict[int, LocalCommit | None] = {}
+    for name in os.listdir(folder):
+        m = _COMMIT_RE.match(name)
+        if not m:
+            continue
+        try:
+            out[int(m.group(1))] = read_local_record(folder / name, LocalCommit)
+        except (CorruptCheckpointError, FileNotFoundError) as e:
+            log.warning("local tier: ignoring commit marker '%s': %s", folder / name, e)
+            out[int(m.group(1))] = None
+    return out
+
+
+def scan(root: Path) -> tuple[list[Holding], list[Leftover]]:
+    """What the disk under `root` holds: committed parts (a marker of their attempt lists them
+    and their records and file sizes agree), and leftovers that count for nothing (parts no
+    marker lists, attempts without a marker, temp files). Damaged committed parts are logged
+    and neither counted nor listed as leftovers (another copy may still be read).
+
+    Called on: any rank; reads only this disk."""
+    holdings: list[Holding] = []
+    leftovers: list[Leftover] = []
+    for step, sdir in step_dirs(root):
+        for name in sorted(os.listdir(sdir)):
+            adir = sdir / name
+            if not _ATTEMPT_RE.match(name) or not adir.is_dir() or adir.is_symlink():
+                if name.endswith(".tmp"):
+                    leftovers.append(Leftover(adir, "temporary file of a crashed write"))
+                continue
+            commits = _commits(adir)
+            listed = {
+                p
+                for c in commits.values()
+                if c is not None and c.step == step and c.attempt == name
+                for p in c.parts
+            }
+            if not commits:
+                leftovers.append(Leftover(adir, "a save attempt that never committed"))
+                continue
+            for entry in sorted(os.listdir(adir)):
+                m = _PART_RE.match(entry)
+                if entry.endswith(".tmp"):
+                    leftovers.append(Leftover(adir / entry, "temporary file of a crashed write"))
+                elif m and int(m.group(1)) not in listed:
+                    leftovers.append(Leftover(adir / entry, "a part no commit marker lists"))
+                elif m:
+                    held = _holding(adir / entry, step, name, int(m.group(1)))
+                    if held is not None:
+                        holdings.append(held)
+    return holdings, leftovers
+
+
+def _holding(folder: Path, step: int, attempt: str, owner: int) -> Holding | None:
+    """The part in `folder` if its record matches where it is and its files have their sizes."""
+    try:
+        part = read_local_record(folder / PART_FILE, LocalPart)
+    except (CorruptCheckpointError, FileNotFoundError) as e:
+        log.warning("local tier: part '%s' is unusable (%s); another copy is needed", folder, e)
+        return None
+    if (part.step, part.attempt, part.owner) != (step, attempt, owner):
+        log.warning(
+            "local tier: '%s' names step %d, attempt %s, rank %d, not where it lies; ignored",
+            folder / PART_FILE,
+            part.step,
+            part.attempt,
+            part.owner,
+        )
+        return None
+    for name, entry in part.files.items():
+        try:
+            size = (folder / name).stat().st_size
+        except FileNotFoundError:
+            size = -1
+        if size != entry.size:
+            log.warning(
+                "local tier: '%s' has %d bytes, its part.json says %d; that copy is not used",
+                folder / name,
+                size,
+                entry.size,
+            )
+            return None
+    return Holding(step, attempt, owner, part.world_size, part.size)

@@ -1,0 +1,201 @@
+"""The node-local tier over 4 gloo ranks on 2 simulated nodes: each "node" is its own folder
+bind-mounted at the same path in each rank's mount namespace (as in `test_distributed.py`).
+Every restore is compared bit for bit (a digest of the loaded module's state) with what that
+rank saved at that step."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from local_tier_worker import expected_digest
+from multiproc import launch_ranks
+from test_distributed import _can_unshare_mounts
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not _can_unshare_mounts(), reason="needs mount namespaces (unshare, root)"),
+]
+
+WORKER = Path(__file__).with_name("local_tier_worker.py")
+WORLD = 4
+
+
+class Job:
+    """Two nodes (disks `node0`, `node1`) and the local path each rank sees its node's disk at."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.local = tmp / "local"
+        self.disks = [tmp / "node0", tmp / "node1"]
+        for d in (self.local, *self.disks):
+            d.mkdir()
+        self.runs = 0
+
+    def run(
+        self,
+        scenario: str,
+        *args: str,
+        node_of: Callable[[int], int] = lambda r: r // 2,
+        env: Callable[[int], dict[str, str]] | None = None,
+        world: int = WORLD,
+    ) -> list[tuple[int, dict | None]]:
+        self.runs += 1
+
+        def on_node(rank: int) -> list[str]:
+            script = f'mount --bind {self.disks[node_of(rank)]} {self.local} && exec "$@"'
+            return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh"]
+
+        return launch_ranks(
+            scenario,
+            world,
+            self.tmp / f"run{self.runs}",
+            str(self.local),
+            *args,
+            prefix=on_node,
+            env=lambda r: {
+                "LOCAL_WORLD_SIZE": "2",
+                "LOCAL_RANK": str(r % 2),
+                **(env(r) if env else {}),
+            },
+            worker=WORKER,
+            timeout=180,
+        )
+
+    def log(self, rank: int) -> str:
+        return (self.tmp / f"run{self.runs}" / f"rank{rank}.log").read_text()
+
+    def parts(self, node: int, step: int, owner: int) -> list[Path]:
+        return sorted(self.disks[node].glob(f"step{step}/*/rank{owner}"))
+
+
+def _ok(results: list[tuple[int, dict | None]]) -> list[dict]:
+    for code, res in results:
+        assert code == 0 and res is not None and res["ok"], res
+    return [res for _code, res in results]  # type: ignore[misc]
+
+
+def _save(job: Job, steps: str) -> list[dict[str, str]]:
+    return [r["digests"] for r in _ok(job.run("local_save", steps))]
+
+
+def _assert_restored(results: list[dict], saved: list[dict[str, str]], step: int) -> None:
+    for rank, res in enumerate(results):
+        assert res["latest"] == step and res["step"] == step, res
+        assert res["digest"] == saved[rank][str(step)], f"rank {rank}: not bit-exact"
+        assert res["trainer"] == {"step": step, "rank": rank}
+
+
+def test_save_then_wipe_one_node_restores_every_rank_bit_exact(tmp_path: Path):
+    job = Job(tmp_path)
+    saved = _save(job, "1,2")
+    for node in (0, 1):  # every part and a replica of it on the other node
+        assert all(len(job.parts(node, 2, owner)) == 1 for owner in range(WORLD))
+    shutil.rmtree(job.disks[1])
+    job.disks[1].mkdir()
+    _assert_restored(_ok(job.run("local_restore")), saved, 2)
+    assert "received rank 2's part from rank 0" in job.log(2)
+
+
+def test_ranks_permuted_across_nodes_find_their_parts_by_rank(tmp_path: Path):
+    job = Job(tmp_path)
+    saved = _save(job, "1")
+    shutil.rmtree(next(iter(job.parts(0, 1, 0))))  # node 0 also lost rank 0's own copy
+    results = _ok(job.run("local_restore", node_of=lambda r: 1 - r // 2))
+    _assert_restored(results, saved, 1)
+
+
+def _damage(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    if how == "flip":
+        path.write_bytes(data[:1000] + bytes([data[1000] ^ 0x01]) + data[1001:])
+    elif how == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+    else:
+        path.write_bytes(b"")
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate", "empty"])
+def test_a_damaged_copy_is_logged_and_the_other_copy_used(tmp_path: Path, how: str):
+    job = Job(tmp_path)
+    saved = _save(job, "1")
+    (own,) = job.parts(0, 1, 0)
+    _damage(own / "module.pt", how)
+    _assert_restored(_ok(job.run("local_restore")), saved, 1)
+    assert "module.pt" in job.log(0)
+    assert "received rank 0's part from rank 2" in job.log(0)
+
+
+def test_a_part_with_no_intact_copy_falls_back_to_the_older_step(tmp_path: Path):
+    job = Job(tmp_path)
+    saved = _save(job, "1,2")
+    for node in (0, 1):
+        (copy,) = job.parts(node, 2, 1)
+        _damage(copy / "train.pt", "flip" if node else "truncate")
+    _assert_restored_step = _ok(job.run("local_restore"))
+    for rank, res in enumerate(_assert_restored_step):
+        assert res["step"] == 1 and res["digest"] == saved[rank]["1"], res
+    assert "no intact copy left of the parts of ranks [1]" in job.log(0)
+
+
+@pytest.mark.parametrize(
+    ("point", "killed", "survives"),
+    [
+        ("local-writing", (1,), 2),
+        ("local-replicating", (2,), 2),
+        ("local-between-phases", (0, 1, 2, 3), 2),
+        # the survivors' markers cover every part (rank 0 holds 0 and 2, rank 3 holds 3 and
+        # 1), all durable and agreed in phase 1: step 3 is complete, though its save failed
+        ("local-between-phases", (1,), 3),
+        ("local-cleanup", (0,), 3),
+    ],
+)
+def test_rank_killed_at_a_named_point_never_restores_a_torn_step(
+    tmp_path: Path, point: str, killed: tuple[int, ...], survives: int
+):
+    job = Job(tmp_path)
+    results = job.run(
+        "local_save", "1,2,3", env=lambda r: {"LOCAL_FAULT": point} if r in killed else {}
+    )
+    for r, (code, res) in enumerate(results):
+        if r in killed:
+            assert code == -signal.SIGKILL, f"'{point}' was not reached: {results}"
+        else:  # the survivors of a kill before the commit failed; after it (cleanup) not
+            assert code == 0 and res is not None and res["ok"] == (point == "local-cleanup"), res
+    restarted = _ok(job.run("local_restore", "4"))
+    for r, res in enumerate(restarted):
+        assert res["step"] == survives and res["digest"] == expected_digest(r, survives), res
+        assert res["latest_after"] == 4
+
+
+def test_two_crashed_attempts_at_one_step_are_never_combined(tmp_path: Path):
+    """Attempt 1 at step 2 commits only the parts of ranks 0 and 2 (ranks 1 and 3 die between
+    the phases), attempt 2 (another state) only those of ranks 1 and 3: together they cover
+    every rank, alone neither does. The restart must restore step 1."""
+    job = Job(tmp_path)
+    _save(job, "1")
+    for attempt, killed in ((1, (1, 3)), (2, (0, 2))):
+        results = job.run(
+            "local_save",
+            "2",
+            str(attempt),
+            env=lambda r, k=killed: {"LOCAL_FAULT": "local-between-phases"} if r in k else {},
+        )
+        assert [code for code, _ in results].count(-signal.SIGKILL) == 2, results
+        markers = sorted(p.name for d in job.disks for p in d.glob("step2/*/commit.*"))
+        assert markers, "the surviving ranks wrote their commit markers"
+    assert len({p.parent.name for d in job.disks for p in d.glob("step2/*/commit.*")}) == 2
+    for r, res in enumerate(_ok(job.run("local_restore"))):
+        assert res["latest"] == 1 and res["step"] == 1, res
+        assert res["digest"] == expected_digest(r, 1)
+
+
+def test_another_world_size_is_refused_with_a_clear_log_line(tmp_path: Path):
+    job = Job(tmp_path)
+    _save(job, "1")
+    results = _ok(job.run("local_restore", world=2, node_of=lambda r: 0))
+    assert all(res["latest"] is None and res["step"] is None for res in results)
+    assert "saved by 4 ranks; this job has 2 ranks" in job.log(0)
