@@ -24,9 +24,10 @@ log = logging.getLogger(__name__)
 
 
 class RecordsCache:
-    """The records of committed checkpoints by path, for `folder.step_states`: a commit
-    record never changes while its folder exists, so each is read once. Only records that
-    read cleanly are kept; a damaged checkpoint is read again next round. Thread-safe."""
+    """The commit records of committed checkpoints by path, for `folder.step_states`: a commit
+    record never changes while its folder exists, so each is read once. Kept only when both
+    records read cleanly (a damaged checkpoint is read again next round), and without the
+    manifest, which can be megabytes. Thread-safe."""
 
     def __init__(self) -> None:
         self._records: dict[str, Records] = {}
@@ -39,7 +40,7 @@ class RecordsCache:
         records = read_records(storage, path)
         if records.metadata is not None and not records.problems:
             with self._lock:
-                self._records[path] = records
+                self._records[path] = Records(records.metadata)
         return records
 
     def forget(self, path: str) -> None:
