@@ -25,12 +25,12 @@ import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from trainckpt.checkpointer import Checkpointer
 from trainckpt.cli.inspect import describe_checkpoint, require_one_checkpoint
 from trainckpt.cli.output import age_seconds, human_age, human_size, progress_bar, table
 from trainckpt.errors import CheckpointError, CheckpointNotFoundError
-from trainckpt.format import layout
+from trainckpt.format import folder
 from trainckpt.format.folder import FolderEntry, checkpoint_size, scan_folder
+from trainckpt.format.verify import verify_checkpoint
 from trainckpt.retention.prune import apply_prune, plan_prune
 from trainckpt.storage import default_options, resolve
 from trainckpt.storage.base import DEFAULT_OPTIONS
@@ -48,7 +48,7 @@ job's `retry_deadline` defaults to 300)."""
 def cmd_ls(args: argparse.Namespace) -> int:
     storage, path = resolve(args.folder)
     entries = scan_folder(storage, path)
-    if not entries and Checkpointer.dir_is_checkpoint(path):
+    if not entries and folder.is_checkpoint(storage, path):
         raise CheckpointNotFoundError(
             f"'{path}' is a checkpoint, not a folder of checkpoints; "
             f"`trainckpt inspect {path}` shows its contents"
@@ -83,15 +83,15 @@ def _ls_row(e: FolderEntry) -> list[str]:
 
 def cmd_latest(args: argparse.Namespace) -> int:
     storage, path = resolve(args.folder)
-    listing = storage.list_dir(path)  # a missing folder is unusable (exit 2), not "none found"
-    if not any(layout.parse_step(d) is not None for d in listing.dirs):
-        if Checkpointer.dir_is_checkpoint(path):
+    # a missing folder is unusable (exit 2), not "none found"
+    if not folder.step_folders(storage, path):
+        if folder.is_checkpoint(storage, path):
             raise CheckpointNotFoundError(
                 f"'{path}' is a checkpoint, not a folder of checkpoints; pass the folder "
                 f"that holds it: `trainckpt latest {storage.parent(path)}`"
             )
     try:
-        print(Checkpointer.latest_checkpoint(path))
+        print(folder.latest_checkpoint(storage, path))
     except CheckpointNotFoundError as e:
         print(f"trainckpt latest: {e}", file=sys.stderr)
         return EXIT_PROBLEMS
@@ -146,7 +146,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     with progress_bar("verifying", args.progress) as progress:
         if progress is not None:
             progress.set_total(checkpoint_size(storage, path))
-        report = Checkpointer.verify(args.ckpt, deep=args.deep, progress=progress)
+        report = verify_checkpoint(storage, path, deep=args.deep, progress=progress)
     print(report)
     return EXIT_OK if report.ok else EXIT_PROBLEMS
 
