@@ -22,11 +22,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import rank_worker  # noqa: E402
 from models import fresh_module, make_module  # noqa: E402
 
-from trainckpt.core import dist as tdist  # noqa: E402
-from trainckpt.core.local_tier import LocalTier, load_into  # noqa: E402
-from trainckpt.core.staging import Stager  # noqa: E402
+from trainckpt import Checkpointer, CheckpointerConfig  # noqa: E402
 from trainckpt.faults import ENV_VAR  # noqa: E402
-from trainckpt.format.trainer_state import serialize_trainer_state  # noqa: E402
 
 
 def digest(state: Any) -> str:
@@ -57,41 +54,48 @@ def expected_digest(rank: int, step: int, attempt: int = 0) -> str:
     return digest(rank_module(rank, step, attempt).state_dict_to_save())
 
 
-def _tier(local: str) -> LocalTier:
-    return LocalTier(Path(local), tdist.new_cpu_group(20), keep=2)
+def _checkpointer(local: str) -> Checkpointer:
+    return CheckpointerConfig(
+        local_dir=local, work_dir=f"/tmp/trainckpt-w{dist.get_rank()}", collective_timeout=20
+    ).build()
 
 
-def local_save(local: str, steps: str, attempt: str = "0") -> dict:
-    """Save each of `steps` (comma-separated); return each step's digest of this rank's state."""
-    tier, rank = _tier(local), dist.get_rank()
+def local_save(local: str, steps: str, attempt: str = "0", mode: str = "sync") -> dict:
+    """Save each of `steps` (comma-separated) with `save_local`; return each step's digest of
+    this rank's state. `async`: the parameters are overwritten as soon as `save_local` returns
+    (as the next optimizer step would), before the save commits."""
+    ckpt, rank = _checkpointer(local), dist.get_rank()
     steps_ = [int(s) for s in steps.split(",")]
     digests = {}
     for step in steps_:
         if step == steps_[-1] and os.environ.get("LOCAL_FAULT"):
             os.environ[ENV_VAR] = os.environ["LOCAL_FAULT"]
         module = rank_module(rank, step, int(attempt))
-        state = module.state_dict_to_save()
-        digests[str(step)] = digest(state)
-        trainer = serialize_trainer_state({"step": step, "rank": rank}, "local")
-        tier.save(step, Stager().stage(state), trainer)
+        digests[str(step)] = digest(module.state_dict_to_save())
+        future = ckpt.save_local(step, module, {"step": step, "rank": rank})
+        if mode == "async":
+            with torch.no_grad():
+                for p in module.model.parameters():
+                    p.fill_(float(step))
+        future.result()
+    ckpt.close()
     return {"digests": digests}
 
 
 def local_restore(local: str, then_save: str = "") -> dict:
-    """Restore the newest step that restores into a fresh module; return its digest (of the
+    """Load the newest step that restores into a fresh module; return its digest (of the
     module's state after loading) and trainer state; then save step `then_save`, if given."""
-    tier = _tier(local)
-    latest = tier.latest()
-    got = tier.restore_latest()
-    result: dict[str, Any] = {"latest": latest, "step": None}
+    ckpt = _checkpointer(local)
+    result: dict[str, Any] = {"latest": ckpt.latest_local(), "step": None}
+    module = fresh_module()
+    got = ckpt.load_latest_local(module)
     if got is not None:
-        step, state, trainer = got
-        module = fresh_module()
-        load_into(module, state, f"local step {step}")
+        step, trainer = got
         result.update(step=step, digest=digest(module.state_dict_to_save()), trainer=trainer)
     if then_save:
+        ckpt.close()
         result["saved"] = local_save(local, then_save)["digests"]
-        result["latest_after"] = tier.latest()
+        result["latest_after"] = _checkpointer(local).latest_local()
     return result
 
 

@@ -15,6 +15,8 @@ from local_tier_worker import expected_digest
 from multiproc import launch_ranks
 from test_distributed import _can_unshare_mounts
 
+from trainckpt.format.local_layout import scan
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not _can_unshare_mounts(), reason="needs mount namespaces (unshare, root)"),
@@ -78,8 +80,8 @@ def _ok(results: list[tuple[int, dict | None]]) -> list[dict]:
     return [res for _code, res in results]  # type: ignore[misc]
 
 
-def _save(job: Job, steps: str) -> list[dict[str, str]]:
-    return [r["digests"] for r in _ok(job.run("local_save", steps))]
+def _save(job: Job, steps: str, mode: str = "sync") -> list[dict[str, str]]:
+    return [r["digests"] for r in _ok(job.run("local_save", steps, "0", mode))]
 
 
 def _assert_restored(results: list[dict], saved: list[dict[str, str]], step: int) -> None:
@@ -91,7 +93,7 @@ def _assert_restored(results: list[dict], saved: list[dict[str, str]], step: int
 
 def test_save_then_wipe_one_node_restores_every_rank_bit_exact(tmp_path: Path):
     job = Job(tmp_path)
-    saved = _save(job, "1,2")
+    saved = _save(job, "1,2", "async")  # parameters overwritten while each save runs
     for node in (0, 1):  # every part and a replica of it on the other node
         assert all(len(job.parts(node, 2, owner)) == 1 for owner in range(WORLD))
     shutil.rmtree(job.disks[1])
@@ -142,23 +144,27 @@ def test_a_part_with_no_intact_copy_falls_back_to_the_older_step(tmp_path: Path)
 
 
 @pytest.mark.parametrize(
-    ("point", "killed", "survives"),
+    ("point", "killed", "survives", "mode"),
     [
-        ("local-writing", (1,), 2),
-        ("local-replicating", (2,), 2),
-        ("local-between-phases", (0, 1, 2, 3), 2),
+        ("local-writing", (1,), 2, "sync"),
+        ("local-replicating", (2,), 2, "async"),
+        ("local-between-phases", (0, 1, 2, 3), 2, "sync"),
         # the survivors' markers cover every part (rank 0 holds 0 and 2, rank 3 holds 3 and
         # 1), all durable and agreed in phase 1: step 3 is complete, though its save failed
-        ("local-between-phases", (1,), 3),
-        ("local-cleanup", (0,), 3),
+        ("local-between-phases", (1,), 3, "async"),
+        ("local-cleanup", (0,), 3, "sync"),
     ],
 )
 def test_rank_killed_at_a_named_point_never_restores_a_torn_step(
-    tmp_path: Path, point: str, killed: tuple[int, ...], survives: int
+    tmp_path: Path, point: str, killed: tuple[int, ...], survives: int, mode: str
 ):
     job = Job(tmp_path)
     results = job.run(
-        "local_save", "1,2,3", env=lambda r: {"LOCAL_FAULT": point} if r in killed else {}
+        "local_save",
+        "1,2,3",
+        "0",
+        mode,
+        env=lambda r: {"LOCAL_FAULT": point} if r in killed else {},
     )
     for r, (code, res) in enumerate(results):
         if r in killed:
@@ -169,6 +175,9 @@ def test_rank_killed_at_a_named_point_never_restores_a_torn_step(
     for r, res in enumerate(restarted):
         assert res["step"] == survives and res["digest"] == expected_digest(r, survives), res
         assert res["latest_after"] == 4
+    for disk in job.disks:  # the crashed attempt's leftovers were deleted, nothing else
+        assert scan(disk)[1] == [], scan(disk)[1]
+        assert sorted(int(d.name[4:]) for d in disk.glob("step*")) == sorted({survives, 4})
 
 
 def test_two_crashed_attempts_at_one_step_are_never_combined(tmp_path: Path):

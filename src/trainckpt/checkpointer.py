@@ -19,6 +19,7 @@ from trainckpt.core.claim import DEFAULT_LEASE
 from trainckpt.core.commit import OnFile, SaveRequest, delete_checkpoint, save_checkpoint
 from trainckpt.core.direct import load_direct, loads_directly, save_direct, saves_directly
 from trainckpt.core.futures import CallbacksFirstFuture
+from trainckpt.core.local_tier import LocalTier, load_into
 from trainckpt.core.staging import Stager, StreamMark
 from trainckpt.core.upload_turns import run_in_turns
 from trainckpt.errors import (
@@ -82,6 +83,10 @@ class Checkpointer:
     verify_on_load: VerifyOnLoad = "size"
     exit_timeout: float = 300.0
     claim_lease: float = DEFAULT_LEASE
+    local_dir: Path | None = None
+    replication_factor: int = 2
+    replication_jump: int | None = None
+    local_keep: int = 2
 
     def __post_init__(self) -> None:
         self.work_dir = Path(self.work_dir)
@@ -105,6 +110,17 @@ class Checkpointer:
         self._staging: Future[None] | None = None
         self._stager = Stager()
         self._lock = threading.Lock()
+        self._local = (
+            None
+            if self.local_dir is None
+            else LocalTier(
+                Path(self.local_dir),
+                self.process_group,
+                replication_factor=self.replication_factor,
+                replication_jump=self.replication_jump,
+                keep=self.local_keep,
+            )
+        )
 
     # -- saving ---------------------------------------------------------------------------------
     def save(
@@ -122,7 +138,7 @@ class Checkpointer:
         self._finish_pending()
         start = time.perf_counter()
         req = self._request(dir, ephemeral)
-        trainer_bytes, state = self._prepare(req, train_module, train_state, stage=False)
+        trainer_bytes, state = self._prepare(req.dir, train_module, train_state, stage=False)
         path = save_checkpoint(
             req, self._write_fn(state, trainer_bytes, _dcp_dir(req), train_module)
         )
@@ -169,7 +185,7 @@ class Checkpointer:
         start = time.perf_counter()
         req = self._request(dir, ephemeral)
         trainer_bytes, state = self._prepare(
-            req, train_module, train_state, stage=not overlap_staging
+            req.dir, train_module, train_state, stage=not overlap_staging
         )
         mark = self._stager.mark() if overlap_staging else None  # the GPU state as of now
         staging: Future[None] = Future()
@@ -192,7 +208,14 @@ class Checkpointer:
             self._log_saved(path, start, start if overlap_staging else staged_at)
             return path
 
-        # Waiters resume only after the caller's done-callbacks ran (see `futures.py`).
+        return self._in_background(req.dir, run, staging)
+
+    def _in_background(
+        self, target: str, run: Callable[[], str], staging: Future[None]
+    ) -> Future[str]:
+        """Run `run` (the write and commit of a staged save of `target`) on the save thread;
+        return the future of its result, which waiters see only after the caller's
+        done-callbacks ran (see `futures.py`). Called on: all ranks (training thread)."""
         committed: CallbacksFirstFuture[str] = CallbacksFirstFuture()
 
         def run_and_resolve() -> None:
@@ -205,7 +228,7 @@ class Checkpointer:
 
         with self._lock:
             self._staging = staging
-            self._pending_dir = req.dir
+            self._pending_dir = target
             self._pending = committed
             self._executor.submit(run_and_resolve)
             exit_guard.watch(self)
@@ -332,7 +355,7 @@ class Checkpointer:
             raise CheckpointError(f"the previous async save failed: {e}") from e
 
     def _prepare(
-        self, req: SaveRequest, train_module: TrainModule, train_state: dict, *, stage: bool
+        self, where: str, train_module: TrainModule, train_state: dict, *, stage: bool
     ) -> tuple[bytes, dict[str, Any]]:
         """Serialize the trainer state and collect (and, for async saves, stage) the model
         state; a module that saves itself (direct API) is asked for nothing here. Every rank
@@ -345,14 +368,14 @@ class Checkpointer:
         trainer_bytes: bytes = b""
         state: dict[str, Any] = {}
         try:
-            trainer_bytes = serialize_trainer_state(train_state, req.dir)
+            trainer_bytes = serialize_trainer_state(train_state, where)
             if not saves_directly(train_module):
                 state = train_module.state_dict_to_save()
             if stage:
                 state = self._stager.stage(state)  # complete (GPU copies too) when it returns
         except Exception as e:
             error = e
-        dist.agree(error, f"preparing the save of '{req.dir}'", self.process_group)
+        dist.agree(error, f"preparing the save of '{where}'", self.process_group)
         return trainer_bytes, state
 
     def _request(self, dir: str | os.PathLike, ephemeral: bool) -> SaveRequest:
@@ -599,6 +622,107 @@ class Checkpointer:
                 "load_trainer_state=False to load model and optimizer state only"
             )
         return None
+
+    # -- the node-local tier (DESIGN §9, README "Local checkpoints and replication") -----------
+    def save_local(
+        self, step: int, train_module: TrainModule, train_state: dict[str, Any]
+    ) -> Future[str]:
+        """Save `step` to the node-local tier: each rank's part to its node's `local_dir`,
+        replicas to peers on other nodes, then the two-phase commit.
+
+        Returns once the state is staged in CPU memory (the caller may step the optimizer);
+        writing, replication and the commit run on the save thread, and the future resolves
+        (to the step's local folder) only when the step is committed on every rank. One save
+        runs at a time, local or not: this call first waits for the previous one.
+
+        Called on: all ranks.
+        """
+        tier = self._local_tier("save_local")
+        if saves_directly(train_module):
+            raise ConfigurationError(
+                f"cannot save step {step} to the local tier: {type(train_module).__name__} "
+                "writes its state itself (save_state_dict_direct), so it cannot be staged"
+            )
+        self._finish_pending()
+        start = time.perf_counter()
+        where = str(tier.root / f"step{step}")
+        trainer_bytes, state = self._prepare(where, train_module, train_state, stage=True)
+        log.info(
+            "staged local checkpoint step %d in %.2fs; writing and replicating in the background",
+            step,
+            time.perf_counter() - start,
+        )
+        staged: Future[None] = Future()
+        staged.set_result(None)
+
+        def run() -> str:
+            tier.save(step, state, trainer_bytes)
+            return where
+
+        return self._in_background(where, run, staged)
+
+    def latest_local(self) -> int | None:
+        """The newest step of the local tier that the live ranks can assemble (every rank's
+        part held intact-sized by some rank, all of one save attempt), or None; the same answer
+        on every rank. Saves of another world size do not count (a warning says so). Waits for
+        an in-flight save first. Called on: all ranks."""
+        tier = self._local_tier("latest_local")
+        self._finish_pending()
+        return tier.latest()
+
+    def load_local(self, step: int, train_module: TrainModule) -> dict[str, Any] | None:
+        """Load `step` of the local tier into `train_module`; return this rank's trainer state.
+
+        Each rank reads its own part from its node's disk, or receives it from a rank on
+        another node that holds a replica; every copy is CRC32C-checked and a damaged one is
+        replaced by the next. Raises `CheckpointNotFoundError` when the live ranks cannot
+        assemble `step`, `CorruptCheckpointError` when some part has no intact copy left (then
+        load an older step, or from the save folder). Called on: all ranks.
+        """
+        tier = self._local_tier("load_local")
+        self._finish_pending()
+        start = time.perf_counter()
+        state, trainer_state = tier.restore(step)
+        where = self._apply_local(train_module, state, step, tier)
+        log.info("loaded %s in %.2fs", where, time.perf_counter() - start)
+        return trainer_state
+
+    def load_latest_local(self, train_module: TrainModule) -> tuple[int, dict[str, Any]] | None:
+        """Load the newest step of the local tier that restores: `latest_local()`, falling back
+        to the next older step the live ranks can assemble when some part of a step has no
+        intact copy left (logged). Returns (step, this rank's trainer state), or None when no
+        step restores (then load from the save folder). Called on: all ranks."""
+        tier = self._local_tier("load_latest_local")
+        self._finish_pending()
+        got = tier.restore_latest()
+        if got is None:
+            return None
+        step, state, trainer_state = got
+        where = self._apply_local(train_module, state, step, tier)
+        log.info("loaded %s", where)
+        return step, trainer_state
+
+    def _apply_local(
+        self, train_module: TrainModule, state: dict[str, Any], step: int, tier: LocalTier
+    ) -> str:
+        """Load a restored part into the module on every rank; every rank learns whether all
+        did. Returns a name of the step for logs. Called on: all ranks."""
+        where = f"local checkpoint step {step} under '{tier.root}'"
+        error: Exception | None = None
+        try:
+            load_into(train_module, state, where)
+        except Exception as e:
+            error = e
+        dist.agree(error, f"loading {where}", self.process_group)
+        return where
+
+    def _local_tier(self, what: str) -> LocalTier:
+        if self._local is None:
+            raise ConfigurationError(
+                f"{what}: this checkpointer has no local tier; set local_dir (a folder on "
+                "each node's own disk, the same path on every node) in CheckpointerConfig"
+            )
+        return self._local
 
     # -- finding --------------------------------------------------------------------------------
     @classmethod

@@ -55,6 +55,16 @@ class CheckpointerConfig(BaseModel):
     sees it renewed fails at once, and one that sees it unchanged for this long (its save
     crashed) takes the step over. So a save after a crash waits up to this long; a save that
     stalls for longer than this loses its step and fails instead of committing."""
+    local_dir: Path | None = None
+    """Folder of the node-local tier (`save_local`): on each node's own disk (NVMe,
+    `/dev/shm`), the same path on every node. None: no local tier."""
+    replication_factor: int = Field(default=2, ge=1, le=16)
+    """Copies of each rank's local part, its own included, each on another node."""
+    replication_jump: int | None = Field(default=None, ge=1)
+    """Ranks between a local part and its replica; None: the ranks per node
+    (`LOCAL_WORLD_SIZE`), so replicas land on the next node."""
+    local_keep: int = Field(default=2, ge=1)
+    """Committed steps the local tier keeps."""
     verify_on_load: VerifyOnLoad = "size"
     exit_timeout: float = Field(default=300.0, ge=0)
     """Seconds a process that ends (or gets SIGTERM, where the trainer has no handler of its

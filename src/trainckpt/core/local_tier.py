@@ -42,7 +42,6 @@ from trainckpt.core.staging import dtensor_type
 from trainckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
-    ConfigurationError,
     CorruptCheckpointError,
 )
 from trainckpt.faults import fault_point
@@ -112,15 +111,11 @@ class LocalTier:
         return self._disks.index(self._disks[rank]) == rank
 
     def _clean_leftovers(self) -> None:
-        """Delete what crashed saves left on this disk (it counts for nothing); a failure to
-        delete is logged, not raised: it only costs space."""
-        _holdings, leftovers = scan(self.root)
-        for item in leftovers:
+        """Delete what crashed saves left on this disk (it counts for nothing)."""
+        for item in scan(self.root)[1]:
             log.info("local tier: deleting '%s' (%s)", item.path, item.why)
-            try:
-                _remove(item.path)
-            except OSError as e:
-                log.warning("local tier: could not delete '%s': %s", item.path, e)
+            _remove_quietly(item.path)
+        _remove_empty_steps(self.root)
 
     # -- saving ---------------------------------------------------------------------------------
     def holders(self, owner: int) -> list[int]:
@@ -239,6 +234,11 @@ class LocalTier:
         this disk; delete the rest, commit markers first (a crash midway leaves parts that no
         longer count, never a step that counts but is incomplete). Called on: one rank per
         disk, after a save committed on every rank."""
+        for item in scan(self.root)[1]:  # what failed saves of older steps left
+            if item.step < committed:
+                log.info("local tier: deleting '%s' (%s)", item.path, item.why)
+                _remove_quietly(item.path)
+        _remove_empty_steps(self.root)
         steps = [(s, d) for s, d in step_dirs(self.root) if s != committed and _markers(d)]
         for step, folder in steps[: max(0, len(steps) - (self.keep - 1))]:
             start = time.perf_counter()
@@ -643,6 +643,23 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def _remove_quietly(path: Path) -> None:
+    """Delete a leftover; a failure is logged, not raised: it only costs space."""
+    try:
+        _remove(path)
+    except OSError as e:
+        log.warning("local tier: could not delete '%s': %s", path, e)
+
+
+def _remove_empty_steps(root: Path) -> None:
+    """Remove step folders that hold nothing any more (their leftovers were deleted)."""
+    for _step, folder in step_dirs(root):
+        try:
+            folder.rmdir()  # only when empty
+        except OSError:
+            continue
+
+
 def _fsync_up_to(folder: Path, root: Path) -> None:
     """fsync `folder` and each parent up to and including `root` (new folders are entries of
     their parents: without this a power cut may lose them)."""
@@ -652,13 +669,6 @@ def _fsync_up_to(folder: Path, root: Path) -> None:
         if current == root or current == current.parent:
             return
         current = current.parent
-
-
-def check_settings(replication_factor: int, keep: int) -> None:
-    if replication_factor < 1 or keep < 1:
-        raise ConfigurationError(
-            f"replication_factor ({replication_factor}) and local_keep ({keep}) must be >= 1"
-        )
 
 
 def load_into(train_module: Any, saved: dict[str, Any], where: str) -> None:

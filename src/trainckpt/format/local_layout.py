@@ -171,6 +171,7 @@ class Holding:
 class Leftover:
     """Something of the local tier on this disk that counts for nothing (a crash left it)."""
 
+    step: int
     path: Path
     why: str
 
@@ -218,7 +219,7 @@ def scan(root: Path) -> tuple[list[Holding], list[Leftover]]:
             adir = sdir / name
             if not _ATTEMPT_RE.match(name) or not adir.is_dir() or adir.is_symlink():
                 if name.endswith(".tmp"):
-                    leftovers.append(Leftover(adir, "temporary file of a crashed write"))
+                    leftovers.append(Leftover(step, adir, "temporary file of a crashed write"))
                 continue
             commits = _commits(adir)
             listed = {
@@ -228,14 +229,16 @@ def scan(root: Path) -> tuple[list[Holding], list[Leftover]]:
                 for p in c.parts
             }
             if not commits:
-                leftovers.append(Leftover(adir, "a save attempt that never committed"))
+                leftovers.append(Leftover(step, adir, "a save attempt that never committed"))
                 continue
             for entry in sorted(os.listdir(adir)):
                 m = _PART_RE.match(entry)
                 if entry.endswith(".tmp"):
-                    leftovers.append(Leftover(adir / entry, "temporary file of a crashed write"))
+                    leftovers.append(
+                        Leftover(step, adir / entry, "temporary file of a crashed write")
+                    )
                 elif m and int(m.group(1)) not in listed:
-                    leftovers.append(Leftover(adir / entry, "a part no commit marker lists"))
+                    leftovers.append(Leftover(step, adir / entry, "a part no commit marker lists"))
                 elif m:
                     held = _holding(adir / entry, step, name, int(m.group(1)))
                     if held is not None:

@@ -1,0 +1,144 @@
+#!/usr/bin/env python
+"""Node-local tier benchmark: 2 gloo ranks on this machine, each with its own local folder (so
+each is its own "node" and rank 0's replica lands on rank 1 and back).
+
+Rows (rank 0, median of `--repeats`): training blocked by `save_local` (the copy to CPU memory),
+time until committed with replication (`replication_factor=2`) and without (1), restore from the
+own disk and from the peer (own folder wiped), a raw write + fsync of the part's bytes, and a
+save of the same state to a save folder shared by both ranks. Targets (issue 17): blocking is
+only the copy to CPU memory; replication costs no more than 1.3x writing the extra bytes
+locally, i.e. (committed with - without) <= 1.3 x raw write of one part.
+
+    python scripts/bench_local.py --size-mb 64 --repeats 3 [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import Timer, make_module  # noqa: E402
+
+from trainckpt import CheckpointerConfig  # noqa: E402
+
+WORLD = 2
+
+
+def _raw_write(path: Path, nbytes: int) -> float:
+    data = os.urandom(1 << 20) * max(1, nbytes >> 20)
+    with Timer() as t, open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    path.unlink()
+    return t.seconds
+
+
+def _rank(rank: int, port: int, root: str, size_mb: float, repeats: int, out: str) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    base = Path(root)
+    module = make_module(size_mb, seed=rank)
+    nbytes = sum(
+        t.numel() * t.element_size()
+        for part in module.state_dict_to_save().values()
+        for t in part.values()
+        if isinstance(t, torch.Tensor)
+    )
+    rows: dict[str, list[float]] = {}
+
+    def add(name: str, seconds: float) -> None:
+        rows.setdefault(name, []).append(seconds)
+
+    for repeat in range(repeats):
+        for factor in (1, 2):
+            local = base / f"node{rank}-rf{factor}-{repeat}"
+            ckpt = CheckpointerConfig(
+                local_dir=local,
+                replication_factor=factor,
+                replication_jump=1,
+                local_keep=1,
+                work_dir=base / f"work{rank}",
+            ).build()
+            with Timer() as total:
+                with Timer() as blocked:
+                    future = ckpt.save_local(1, module, {"step": 1})
+                future.result()
+            add(f"save_local blocked (rf={factor})", blocked.seconds)
+            add(f"save_local committed (rf={factor})", total.seconds)
+            if factor == 2:
+                with Timer() as t:
+                    ckpt.load_local(1, module)
+                add("load_local from own disk", t.seconds)
+                if rank == 0:
+                    shutil.rmtree(local / "step1")
+                dist.barrier()
+                with Timer() as t:
+                    ckpt.load_local(1, module)
+                add("load_local from the peer (rank 0's disk wiped)", t.seconds)
+            ckpt.close()
+            shutil.rmtree(local, ignore_errors=True)
+        add("raw write + fsync of one part", _raw_write(base / f"raw{rank}", nbytes))
+        ckpt = CheckpointerConfig(work_dir=base / f"work{rank}").build()
+        with Timer() as t:
+            ckpt.save(base / "shared" / f"step{repeat}", module, {"step": 1})
+        add("save() to a shared save folder", t.seconds)
+        ckpt.close()
+    if rank == 0:
+        Path(out).write_text(json.dumps({"bytes_per_rank": nbytes, "rows": rows}))
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size-mb", type=float, default=64.0, help="state per rank")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    root = Path(tempfile.mkdtemp(prefix="bench-local-", dir=args.dir))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = root / "result.json"
+    try:
+        mp.spawn(
+            _rank,
+            args=(port, str(root), args.size_mb, args.repeats, str(out)),
+            nprocs=WORLD,
+            join=True,
+        )
+        report: dict[str, Any] = json.loads(out.read_text())
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    rows = {name: statistics.median(xs) for name, xs in report["rows"].items()}
+    mb = report["bytes_per_rank"] / 1e6
+    print(f"node-local tier, 2 ranks on one machine, {mb:.0f} MB of state per rank (rank 0):")
+    for name, seconds in rows.items():
+        print(f"  {name:<48} {seconds:7.3f} s  ({mb / seconds:7.0f} MB/s)")
+    extra = rows["save_local committed (rf=2)"] - rows["save_local committed (rf=1)"]
+    ratio = extra / rows["raw write + fsync of one part"]
+    print(f"  replication cost / raw write of the extra bytes: {ratio:.2f} (target <= 1.3)")
+    report["medians"], report["replication_ratio"] = rows, ratio
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,99 @@
+"""The node-local tier in one process (no process group): settings, the round trip, retention,
+leftovers, and hostile parts. The multi-node behaviour is `test_local_tier.py`."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hostile import Calls, shell, torch_save_bytes
+from models import assert_same_state, fresh_module, make_module
+
+from trainckpt import Checkpointer, CheckpointerConfig
+from trainckpt.errors import ConfigurationError, CorruptCheckpointError
+from trainckpt.format.local_layout import scan
+from trainckpt.storage.checksums import crc32c_bytes
+
+
+def _ckpt(tmp_path: Path, **kw: object) -> Checkpointer:
+    return CheckpointerConfig(local_dir=tmp_path / "local", work_dir=tmp_path / "w", **kw).build()
+
+
+def test_settings_are_validated_and_a_missing_local_dir_is_named(tmp_path: Path):
+    with pytest.raises(ConfigurationError, match="replication_factor"):
+        CheckpointerConfig.validated({"replication_factor": 0})
+    with pytest.raises(ConfigurationError, match="local_keep"):
+        CheckpointerConfig.validated({"local_keep": 0})
+    plain = CheckpointerConfig(work_dir=tmp_path / "w").build()
+    with pytest.raises(ConfigurationError, match="set local_dir"):
+        plain.save_local(1, make_module(), {"step": 1})
+    with pytest.raises(ConfigurationError, match="set local_dir"):
+        plain.latest_local()
+
+
+def test_round_trip_is_exact_and_keeps_local_keep_steps(tmp_path: Path):
+    ckpt = _ckpt(tmp_path, local_keep=2)
+    assert ckpt.latest_local() is None
+    modules = {}
+    for step in (1, 2, 3):
+        modules[step] = make_module(seed=step)
+        future = ckpt.save_local(step, modules[step], {"step": step})
+        assert future.result() == str(tmp_path / "local" / f"step{step}")
+    assert ckpt.latest_local() == 3
+    assert sorted(p.name for p in (tmp_path / "local").glob("step*")) == ["step2", "step3"]
+    for step in (2, 3):
+        into = fresh_module()
+        assert ckpt.load_local(step, into) == {"step": step}
+        assert_same_state(into, modules[step])
+    ckpt.close()
+
+
+def test_crashed_leftovers_are_deleted_at_start_and_count_for_nothing(tmp_path: Path):
+    ckpt = _ckpt(tmp_path)
+    ckpt.save_local(1, make_module(), {"step": 1}).result()
+    ckpt.close()
+    (commit,) = (tmp_path / "local").glob("step1/*/commit.rank0.json")
+    attempt = commit.parent
+    stray = attempt.parent.parent / "step2" / attempt.name / "rank0"  # a part never committed
+    stray.mkdir(parents=True)
+    (stray / "module.pt").write_bytes(b"torn")
+    (attempt / ".dirty.tmp").write_bytes(b"")  # a temp file of a crashed write
+    assert len(scan(tmp_path / "local")[1]) == 2
+    again = _ckpt(tmp_path)
+    assert again.latest_local() == 1  # a leftover never makes a restart fail
+    assert scan(tmp_path / "local")[1] == []
+    assert not (tmp_path / "local" / "step2").exists()
+
+
+def test_a_damaged_part_record_is_refused_and_logged(tmp_path: Path, caplog):
+    ckpt = _ckpt(tmp_path)
+    ckpt.save_local(1, make_module(), {"step": 1}).result()
+    (record,) = (tmp_path / "local").glob("step1/*/rank0/part.json")
+    record.write_text("[" * 100_000)  # larger than a part record ever is
+    with caplog.at_level(logging.WARNING):
+        assert ckpt.latest_local() is None
+    assert "larger than" in caplog.text and str(record) in caplog.text
+
+
+def test_a_hostile_part_with_matching_checksums_is_never_run(tmp_path: Path):
+    marker = tmp_path / "ran"
+    payload = torch_save_bytes({"model": Calls(os.system, shell(marker))})
+    torch.load(io.BytesIO(payload), weights_only=False)  # proof: an unsafe load runs it
+    assert marker.exists()
+    marker.unlink()
+    ckpt = _ckpt(tmp_path)
+    ckpt.save_local(1, make_module(), {"step": 1}).result()
+    (part,) = (tmp_path / "local").glob("step1/*/rank0")
+    (part / "module.pt").write_bytes(payload)
+    record = json.loads((part / "part.json").read_text())
+    record["files"]["module.pt"] = {"size": len(payload), "crc32c": crc32c_bytes(payload)}
+    (part / "part.json").write_text(json.dumps(record))
+    assert ckpt.latest_local() == 1
+    with pytest.raises(CorruptCheckpointError, match="UnsafeCheckpointError"):
+        ckpt.load_local(1, fresh_module())
+    assert not marker.exists()
