@@ -16,13 +16,14 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from trainckpt.checkpointer import Checkpointer
 from trainckpt.core import dist
-from trainckpt.errors import CheckpointError, ConfigurationError
+from trainckpt.errors import CheckpointError, ConfigurationError, CorruptCheckpointError
 from trainckpt.format import layout
 from trainckpt.format.folder import checkpoint_size, find_checkpoints
 from trainckpt.retention.policy import CheckpointPolicy, SaveKind
@@ -86,6 +87,11 @@ class Checkpointing:
             Remover(self.save_folder, policy) if dist.get_rank(self._group) == 0 else None
         )
         self._finished = False
+        if policy.local_save_interval is not None and checkpointer.local_dir is None:
+            raise ConfigurationError(
+                f"the policy sets local_save_interval={policy.local_save_interval}, but the "
+                "checkpointer has no local tier: set local_dir in CheckpointerConfig"
+            )
 
     # -- per step -------------------------------------------------------------------------------
     def maybe_save(
@@ -145,6 +151,36 @@ class Checkpointing:
             dtype = getattr(torch, self.policy.final_dtype) if self.policy.final_dtype else None
             train_module = weights(dtype)
         return self.save(step, train_module, train_state)
+
+    def resume(self, train_module: TrainModule) -> tuple[int, dict[str, Any] | None] | None:
+        """Load the newest step that verifies across both tiers into `train_module`: the
+        newest good checkpoint of the save folder, or the local tier's newest step the live
+        ranks can assemble when it is newer (falling back to the save folder when that step
+        cannot be restored, logged). Returns (step, this rank's trainer state), or None when
+        neither tier has one. Call it before the first `maybe_save`.
+
+        Called on: all ranks.
+        """
+        path = self.checkpointer.find_latest_good(self.save_folder)
+        saved = None if path is None else layout.parse_step(path.rstrip("/").rsplit("/", 1)[-1])
+        if self.checkpointer.local_dir is not None:
+            local = self.checkpointer.latest_local()
+            if local is not None and (saved is None or local > saved):
+                try:
+                    state = self.checkpointer.load_local(local, train_module)
+                except CorruptCheckpointError as e:
+                    log.warning(
+                        "local step %d cannot be restored (%s); using the save folder", local, e
+                    )
+                else:
+                    log.info(
+                        "resuming from the local tier, step %d (save folder: %s)", local, saved
+                    )
+                    return local, state
+        if path is None or saved is None:
+            return None
+        log.info("resuming from '%s' (step %d)", path, saved)
+        return saved, self.checkpointer.load(path, train_module)
 
     def wait_for_staging(self) -> None:
         """Block until the state of the last background save is copied to CPU memory (with
@@ -217,9 +253,11 @@ class Checkpointing:
             )
             return self._saved[step]
         self._collect_pending()
+        state = train_state() if callable(train_state) else train_state
+        if kind is SaveKind.LOCAL:
+            return self._save_local(step, train_module, state)
         storage, folder = resolve(self.save_folder)
         path = storage.join(folder, layout.checkpoint_dirname(step, self.naming))
-        state = train_state() if callable(train_state) else train_state
         ephemeral = kind is SaveKind.EPHEMERAL
         save = _Save(step, path, kind, time.perf_counter())
         if save_async:
@@ -247,6 +285,22 @@ class Checkpointing:
         self._saved[step] = path
         self._last_saved = step
         return path
+
+    def _save_local(self, step: int, train_module: TrainModule, state: dict[str, Any]) -> str:
+        """Start a save of `step` to the node-local tier (always in the background); it is not
+        a save-folder checkpoint, so retention and the step bookkeeping ignore it."""
+        save = _Save(step, "", SaveKind.LOCAL, time.perf_counter())
+        future = self.checkpointer.save_local(step, train_module, state)
+        save.path = str(Path(str(self.checkpointer.local_dir)) / f"step{step}")
+        log.info(
+            "checkpoint event: saving local '%s' in the background (training blocked %.2fs)",
+            save.path,
+            time.perf_counter() - save.started,
+        )
+        self._pending = save
+        self._in_flight = future
+        future.add_done_callback(lambda f: _on_done(save, f))
+        return save.path
 
     def _collect_pending(self) -> None:
         """Wait for the in-flight async save; turn its failure into a `CheckpointError`."""

@@ -25,6 +25,8 @@ class SaveKind(str, Enum):
 
     PERMANENT = "permanent"
     EPHEMERAL = "ephemeral"
+    LOCAL = "local"
+    """A save to the node-local tier (`Checkpointer.save_local`), not to the save folder."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,9 @@ class CheckpointPolicy(BaseModel):
     ephemeral_save_interval: int | None = Field(default=None, ge=1)
     """Save an ephemeral checkpoint every this many steps; it is deleted once a newer checkpoint
     of either kind is committed. Must be less than `save_interval`. For preemptible jobs."""
+    local_save_interval: int | None = Field(default=None, ge=1)
+    """Save to the node-local tier (`local_dir`, `save_local`) every this many steps, at steps
+    that get no save-folder checkpoint. Needs a checkpointer with `local_dir`."""
     fixed_steps: tuple[int, ...] = ()
     """Extra steps that get a permanent checkpoint; never trimmed by `max_checkpoints`."""
     max_checkpoints: int | None = Field(default=None, ge=1)
@@ -148,9 +153,13 @@ class CheckpointPolicy(BaseModel):
         if self.save_interval is not None and step % self.save_interval == 0:
             return SaveKind.PERMANENT
         if self.ephemeral_save_interval is not None and step % self.ephemeral_save_interval == 0:
-            if last_saved_step is not None and step - last_saved_step < self.ephemeral_cooldown:
-                return None
-            return SaveKind.EPHEMERAL
+            cooling = (
+                last_saved_step is not None and step - last_saved_step < self.ephemeral_cooldown
+            )
+            if not cooling:
+                return SaveKind.EPHEMERAL
+        if self.local_save_interval is not None and step % self.local_save_interval == 0:
+            return SaveKind.LOCAL
         return None
 
     # -- retention ------------------------------------------------------------------------------
