@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
+from trainckpt.config import CheckpointerConfig
 from trainckpt.core import amend, dist, exit_guard
-from trainckpt.core.claim import DEFAULT_LEASE
 from trainckpt.core.commit import OnFile, SaveRequest, delete_checkpoint, save_checkpoint
 from trainckpt.core.direct import load_direct, loads_directly, save_direct, saves_directly
 from trainckpt.core.futures import CallbacksFirstFuture
@@ -48,48 +47,34 @@ from trainckpt.train_module import TrainModule
 
 log = logging.getLogger(__name__)
 
-VerifyOnLoad = Literal["none", "size", "full"]
-
-
-def _default_work_dir() -> Path:
-    return Path(tempfile.gettempdir()) / f"trainckpt-{os.getuid() if hasattr(os, 'getuid') else 0}"
-
 
 def _default_threads() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-@dataclass
+@dataclass(init=False)
 class Checkpointer:
     """Saves and loads checkpoints of a training run. Build one per run, on every rank, with
     `CheckpointerConfig.build()`; its methods are then called on all ranks together.
 
     In a multi-rank job it runs its own collectives on `process_group`, a gloo group it creates
     when none is given (creating it is collective: construct the Checkpointer on all ranks).
+
+    Its settings are `CheckpointerConfig`'s fields: constructor keywords, validated there, and
+    read and written as attributes of the same names (`ckpt.work_dir`), held in `config`.
     """
 
     METADATA_FNAME: ClassVar[str] = layout.METADATA_FILE
 
-    work_dir: Path = field(default_factory=_default_work_dir)
-    save_overwrite: bool = False
-    pre_download: bool = False
-    process_group: dist.ProcessGroup | None = None
-    save_thread_count: int | None = None
-    load_thread_count: int | None = None
-    throttle_uploads: bool = False
-    fs_timeout: float = 120.0
-    collective_timeout: float = 600.0
-    retry_deadline: float = 300.0
-    verify_on_load: VerifyOnLoad = "size"
-    exit_timeout: float = 300.0
-    claim_lease: float = DEFAULT_LEASE
-    local_dir: Path | None = None
-    replication_factor: int = 2
-    replication_jump: int | None = None
-    local_keep: int = 2
+    config: CheckpointerConfig
+    """The settings, validated, with `work_dir` and `save_overwrite` filled in if left None."""
+    process_group: dist.ProcessGroup | None
 
-    def __post_init__(self) -> None:
-        self.work_dir = Path(self.work_dir)
+    def __init__(self, *, process_group: dist.ProcessGroup | None = None, **settings: Any) -> None:
+        """`settings`: `CheckpointerConfig`'s fields by name; an invalid one raises
+        `ConfigurationError` naming it. Called on: all ranks (it may create a process group)."""
+        self.config = CheckpointerConfig.validated(settings, "Checkpointer").with_defaults()
+        self.process_group = process_group
         if self.work_dir.exists() and not self.work_dir.is_dir():
             raise StorageError(
                 f"work_dir '{self.work_dir}' is a file, not a folder; set work_dir to a folder "
@@ -121,6 +106,20 @@ class Checkpointer:
                 keep=self.local_keep,
             )
         )
+
+    def __getattr__(self, name: str) -> Any:
+        """A setting read as an attribute (`ckpt.work_dir`) comes from `config`."""
+        config = self.__dict__.get("config")
+        if config is not None and name in CheckpointerConfig.model_fields:
+            return getattr(config, name)
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """A setting written as an attribute is validated into `config`."""
+        if name in CheckpointerConfig.model_fields:
+            value = self.config.updated("Checkpointer", **{name: value}).with_defaults()
+            name = "config"
+        super().__setattr__(name, value)
 
     # -- saving ---------------------------------------------------------------------------------
     def save(

@@ -3,20 +3,35 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from trainckpt.checkpointer import Checkpointer, VerifyOnLoad
 from trainckpt.core import dist
 from trainckpt.core.claim import DEFAULT_LEASE, MAX_LEASE
 from trainckpt.errors import ConfigurationError, settings_error
 
+if TYPE_CHECKING:
+    from trainckpt.checkpointer import Checkpointer
+
+VerifyOnLoad = Literal["none", "size", "full"]
+
+
+def default_work_dir() -> Path:
+    """`<tmp>/trainckpt-<uid>`: the `work_dir` of a `Checkpointer` given none."""
+    return Path(tempfile.gettempdir()) / f"trainckpt-{os.getuid() if hasattr(os, 'getuid') else 0}"
+
 
 class CheckpointerConfig(BaseModel):
-    """Settings of a `Checkpointer`. Unknown keys are refused, so a typo cannot pass silently."""
+    """Settings of a `Checkpointer`. Unknown keys are refused, so a typo cannot pass silently.
+
+    The one place the settings, their defaults and their limits are declared: a `Checkpointer`
+    holds its validated settings as an instance of this class (`Checkpointer.config`).
+    """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -66,11 +81,11 @@ class CheckpointerConfig(BaseModel):
     local_keep: int = Field(default=2, ge=1)
     """Committed steps the local tier keeps."""
     verify_on_load: VerifyOnLoad = "size"
+    """Check files against the manifest before loading: none, size (cheap) or full (CRC32C)."""
     exit_timeout: float = Field(default=300.0, ge=0)
     """Seconds a process that ends (or gets SIGTERM, where the trainer has no handler of its
     own) without `close()` waits for its in-flight async save to commit; a save that does not
     commit in time is logged as an ERROR naming it. 0 does not wait."""
-    """Check files against the manifest before loading: none, size (cheap) or full (CRC32C)."""
 
     @classmethod
     def from_file(cls, path: str | Path) -> CheckpointerConfig:
@@ -101,6 +116,20 @@ class CheckpointerConfig(BaseModel):
         except ValidationError as e:
             raise settings_error(e, where, "checkpointer settings") from e
 
+    def updated(self, where: str = "CheckpointerConfig", **changes: Any) -> CheckpointerConfig:
+        """A copy with `changes` applied and validated (`where` names the caller in errors)."""
+        return self.validated({**self.model_dump(), **changes}, where) if changes else self
+
+    def with_defaults(self) -> CheckpointerConfig:
+        """A copy with the settings a trainer may fill in, if left None, set to their defaults:
+        `work_dir` `<tmp>/trainckpt-<uid>`, `save_overwrite` False."""
+        return self.model_copy(
+            update={
+                "work_dir": default_work_dir() if self.work_dir is None else self.work_dir,
+                "save_overwrite": bool(self.save_overwrite),
+            }
+        )
+
     def build(
         self, process_group: dist.ProcessGroup | None = None, **overrides: Any
     ) -> Checkpointer:
@@ -109,6 +138,7 @@ class CheckpointerConfig(BaseModel):
 
         Called on: all ranks (the checkpointer may create its own process group).
         """
-        cfg = self.validated({**self.model_dump(), **overrides}) if overrides else self
-        settings = cfg.model_dump(exclude_none=True)
+        from trainckpt.checkpointer import Checkpointer  # which imports this module
+
+        settings = self.updated(**overrides).model_dump(exclude_none=True)
         return Checkpointer(process_group=process_group, **settings)
