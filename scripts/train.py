@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from trainckpt import (
     Checkpointer,
     CheckpointerConfig,
-    Checkpointing,
+    CheckpointManager,
     CheckpointPolicy,
     ModelAndOptim,
 )
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     ).build()
     policy = CheckpointPolicy.validated(cfg.policy, where=f"{args.config}: policy")
     step = resume(checkpointer, cfg.save_folder, module, sched, data)
-    driver = Checkpointing(checkpointer, policy, cfg.save_folder)
+    driver = CheckpointManager(checkpointer, policy, cfg.save_folder)
 
     def trainer_state() -> dict[str, Any]:
         """Plain types and tensors only: it is loaded back with weights_only=True."""

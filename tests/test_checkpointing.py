@@ -1,4 +1,4 @@
-"""`Checkpointing`, the per-step driver: saves and deletions on real folders, real failures."""
+"""`CheckpointManager`, the per-step driver: saves and deletions on real folders, real failures."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from trainckpt import (
     Checkpointer,
     CheckpointerConfig,
     CheckpointError,
-    Checkpointing,
+    CheckpointManager,
     CheckpointPolicy,
     ModelAndOptim,
 )
@@ -39,10 +39,10 @@ def run(
     policy: CheckpointPolicy,
     steps: range,
     module: ModelAndOptim | None = None,
-) -> Checkpointing:
+) -> CheckpointManager:
     """A training loop's calls: maybe_save after each step, then finish."""
     module = module or make_module(steps=1)
-    driver = Checkpointing(checkpointer, policy, folder)
+    driver = CheckpointManager(checkpointer, policy, folder)
     for step in steps:
         if step > 0:
             with torch.no_grad():  # a "training step" that changes every parameter
@@ -117,7 +117,7 @@ def test_a_failed_async_save_keeps_the_previous_checkpoints(
     folder = tmp_path / "ckpts"
     policy = CheckpointPolicy(save_interval=10, ephemeral_save_interval=5, max_checkpoints=1)
     module = make_module(steps=1)
-    driver = Checkpointing(checkpointer, policy, folder)
+    driver = CheckpointManager(checkpointer, policy, folder)
     for step in (0, 10, 15):
         driver.maybe_save(step, module, {"step": step})
     checkpointer.wait()
@@ -143,7 +143,7 @@ def test_a_write_error_in_the_background_surfaces_at_finish(
     folder = tmp_path / "ckpts"
     policy = CheckpointPolicy(save_interval=10, ephemeral_save_interval=5)
     small = make_module(steps=1, width=8)
-    driver = Checkpointing(checkpointer, policy, folder)
+    driver = CheckpointManager(checkpointer, policy, folder)
     driver.maybe_save(5, small, {"step": 5})
     checkpointer.wait()
     # The kernel refuses files over 64 KiB (EFBIG): the next, larger save cannot be written.
@@ -235,7 +235,7 @@ def test_resume_skips_saved_steps_and_explicit_save_waits_for_the_async_one(
     run(checkpointer, folder, policy, range(0, 5))
     before = (folder / "step4" / ".metadata.json").stat().st_mtime_ns
     module = make_module(steps=1)
-    driver = Checkpointing(checkpointer, policy, folder)
+    driver = CheckpointManager(checkpointer, policy, folder)
     assert driver.maybe_save(4, module, {"step": 4}) == str(folder / "step4")  # resumed: kept
     assert (folder / "step4" / ".metadata.json").stat().st_mtime_ns == before
     assert driver.maybe_save(5, module, {}) is None
@@ -251,13 +251,13 @@ def _two_rank_run(rank: int, world: int, folder: str) -> dict:
     from models import make_module
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from trainckpt import CheckpointerConfig, Checkpointing, CheckpointPolicy, ModelAndOptim
+    from trainckpt import CheckpointerConfig, CheckpointManager, CheckpointPolicy, ModelAndOptim
 
     ckpt = CheckpointerConfig(work_dir=f"{folder}/../work{rank}", fs_timeout=30).build()
     base = make_module(seed=1, steps=0)
     module = ModelAndOptim(DDP(base.model), base.optim)
     policy = CheckpointPolicy(save_interval=4, ephemeral_save_interval=2, max_checkpoints=1)
-    driver = Checkpointing(ckpt, policy, folder)
+    driver = CheckpointManager(ckpt, policy, folder)
     paths = [driver.maybe_save(step, module, {"rank": rank, "step": step}) for step in range(0, 11)]
     driver.finish()
     ckpt.close()
@@ -274,3 +274,10 @@ def test_two_ranks_decide_alike_and_rank0_deletes(tmp_path: Path) -> None:
         "rank0.pt",
         "rank1.pt",
     ]
+
+
+def test_old_name_checkpointing_is_the_manager() -> None:
+    import trainckpt
+
+    assert trainckpt.Checkpointing is CheckpointManager
+    assert "Checkpointing" in trainckpt.__all__ and "CheckpointManager" in trainckpt.__all__

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from trainckpt import (
     CheckpointerConfig,
-    Checkpointing,
+    CheckpointManager,
     CheckpointPolicy,
     ConfigurationError,
     ModelAndStates,
@@ -258,7 +258,7 @@ def test_policy_overlapped_staging_and_model_only_final_save(ckpt, tmp_path):
         final_dtype="bfloat16",
     )
     module, optim, counter, _ = _build(0, steps=0)
-    driver = Checkpointing(ckpt, policy, tmp_path / "run")
+    driver = CheckpointManager(ckpt, policy, tmp_path / "run")
     for step in range(1, 5):
         _run(module.parts, optim, 1)
         counter.step = step

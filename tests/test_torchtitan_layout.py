@@ -16,7 +16,7 @@ from trainckpt import (
     Checkpointer,
     CheckpointerConfig,
     CheckpointError,
-    Checkpointing,
+    CheckpointManager,
     CheckpointPolicy,
     ModelAndStates,
 )
@@ -37,7 +37,7 @@ def test_torchtitan_naming_through_the_policy_driver(tmp_path):
     ckpt = CheckpointerConfig(work_dir=tmp_path / "work").build()
     torch.manual_seed(0)
     model = TinyNet()
-    driver = Checkpointing(
+    driver = CheckpointManager(
         ckpt,
         CheckpointPolicy(save_interval=2, max_checkpoints=1, pre_train_checkpoint=False),
         tmp_path / "run",
@@ -76,7 +76,7 @@ def test_checkpoints_torchtitan_wrote_are_found_checked_and_never_deleted(tmp_pa
 
     # a trainckpt checkpoint beside them, then retention that deletes leftovers
     ckpt = CheckpointerConfig(work_dir=tmp_path / "work").build()
-    driver = Checkpointing(
+    driver = CheckpointManager(
         ckpt,
         CheckpointPolicy(save_interval=6, remove="all_non_permanent", pre_train_checkpoint=False),
         folder,

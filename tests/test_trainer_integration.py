@@ -183,13 +183,13 @@ def test_step0_checkpoint_loads_model_weights_only_by_default(ckpt, tmp_path):
 
 
 def test_policy_final_save_model_only_bfloat16(ckpt, tmp_path):
-    from trainckpt import Checkpointing, CheckpointPolicy
+    from trainckpt import CheckpointManager, CheckpointPolicy
 
     policy = CheckpointPolicy(
         save_interval=5, save_async=False, final_save="model_only", final_dtype="bfloat16"
     )
     module = make_module(seed=10)
-    driver = Checkpointing(ckpt, policy, tmp_path / "run")
+    driver = CheckpointManager(ckpt, policy, tmp_path / "run")
     driver.maybe_save(5, module, {"step": 5})
     final = driver.save_final(7, module, {"step": 7})
     driver.finish()

@@ -1,7 +1,6 @@
 """trainckpt: crash-safe checkpointing for PyTorch training."""
 
 from trainckpt.checkpointer import Checkpointer
-from trainckpt.checkpointing import Checkpointing
 from trainckpt.config import CheckpointerConfig
 from trainckpt.errors import (
     CheckpointError,
@@ -19,10 +18,14 @@ from trainckpt.errors import (
 )
 from trainckpt.format.records import CheckpointManifest, CheckpointMetadata
 from trainckpt.format.verify import VerifyReport
+from trainckpt.manager import CheckpointManager
 from trainckpt.model_states import ModelAndStates
 from trainckpt.retention.policy import CheckpointPolicy
 from trainckpt.train_module import ModelAndOptim, ModelWeights, TrainModule
 from trainckpt.version import __version__
+
+Checkpointing = CheckpointManager
+"""The name `CheckpointManager` had before 0.2, kept for existing code."""
 
 
 def __getattr__(name: str) -> object:
@@ -38,6 +41,7 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "CheckpointError",
     "CheckpointExistsError",
+    "CheckpointManager",
     "CheckpointManifest",
     "CheckpointMetadata",
     "CheckpointNotFoundError",

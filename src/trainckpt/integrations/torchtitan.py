@@ -4,9 +4,10 @@ torchtitan 0.3 builds its checkpointer from `Trainer.Config.checkpoint`, typed a
 `BaseCheckpointManager.Config`; pass `trainckpt.integrations.torchtitan.CheckpointManager.Config`
 there and the trainer calls this manager (`load(step)`, `save(curr_step, last_step)`,
 `maybe_wait_for_staging()`, `close()`) instead of its own. Built on trainckpt's public pieces:
-`ModelAndStates` (torchtitan's DCP layout), `Checkpointing` with a `CheckpointPolicy` (interval,
-retention, async saves, overlapped staging, model-only final save) and `Checkpointer` (commit
-protocol, verification, object stores). Importing this module imports torchtitan.
+`ModelAndStates` (torchtitan's DCP layout), `trainckpt.CheckpointManager` (the policy driver,
+not this class) with a `CheckpointPolicy` (interval, retention, async saves, overlapped staging,
+model-only final save) and `Checkpointer` (commit protocol, verification, object stores).
+Importing this module imports torchtitan.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from torchtitan.components.checkpointer.base import (
     BaseCheckpointManager,
 )
 
+from trainckpt import manager
 from trainckpt.checkpointer import Checkpointer
-from trainckpt.checkpointing import Checkpointing
 from trainckpt.config import CheckpointerConfig
 from trainckpt.core import dist
 from trainckpt.errors import CheckpointNotFoundError, ConfigurationError, CorruptCheckpointError
@@ -147,7 +148,7 @@ class CheckpointManager(BaseCheckpointManager):
             final_save="model_only" if model_only else "full",
             final_dtype=config.export_dtype if model_only else None,
         )
-        self.driver = Checkpointing(
+        self.driver = manager.CheckpointManager(
             self.checkpointer, self.policy, self.folder, naming=config.naming
         )
         log.info("trainckpt checkpointing active: loading from and saving to '%s'", self.folder)

@@ -88,10 +88,11 @@ class CheckpointPolicy(BaseModel):
     """Write checkpoints in the background after staging them in CPU memory."""
     overlap_staging: bool = False
     """With `save_async`: return from a save before the copy to CPU memory is done, so the copy
-    overlaps the next forward/backward; the trainer then calls `Checkpointing.wait_for_staging()`
-    before its optimizer step (torchtitan's `maybe_wait_for_staging`)."""
+    overlaps the next forward/backward; the trainer then calls
+    `CheckpointManager.wait_for_staging()` before its optimizer step (torchtitan's
+    `maybe_wait_for_staging`)."""
     final_save: Literal["full", "model_only"] = "full"
-    """What the final checkpoint of a run holds (`Checkpointing.save_final`): everything, or
+    """What the final checkpoint of a run holds (`CheckpointManager.save_final`): everything, or
     the model weights only (smaller; for evaluation and release, not for resuming training)."""
     final_dtype: Literal["float32", "bfloat16", "float16"] | None = None
     """With `final_save: model_only`, cast floating-point weights to this dtype (None keeps

@@ -1,4 +1,4 @@
-"""`Checkpointing`: the per-step driver a training loop calls. It asks a `CheckpointPolicy`
+"""`CheckpointManager`: the per-step driver a training loop calls. It asks a `CheckpointPolicy`
 what to save, saves (sync or async, at most one async save in flight), and once a save is
 committed has old checkpoints deleted on a background thread.
 
@@ -47,7 +47,7 @@ class _Save:
     """When the save ended (set on the save thread), for the commit event's seconds and MB/s."""
 
 
-class Checkpointing:
+class CheckpointManager:
     """Drives checkpointing of one training run into `save_folder` (local path or URL), in
     step folders named by `naming` (`step1000`, or torchtitan's `step-1000`).
 
@@ -243,7 +243,7 @@ class Checkpointing:
     ) -> str:
         if self._finished:
             raise CheckpointError(
-                f"Checkpointing of '{self.save_folder}' is finished; no more saves"
+                f"the CheckpointManager of '{self.save_folder}' is finished; no more saves"
             )
         if step in self._saved:
             log.info(
