@@ -24,7 +24,7 @@ from trainckpt.cli.inspect import checkpoint_dcp_folder
 from trainckpt.core.dcp import load_full_state
 from trainckpt.errors import CheckpointExistsError, CheckpointNotFoundError, ConfigurationError
 from trainckpt.format.dcp_metadata import read_dcp_metadata
-from trainckpt.format.verify import verify_checkpoint
+from trainckpt.format.verify import Progress, verify_checkpoint
 from trainckpt.storage import resolve
 from trainckpt.storage.local import writing
 
@@ -68,7 +68,7 @@ def export_checkpoint(
     model_only: bool = True,
     overwrite: bool = False,
     work_dir: Path | None = None,
-    progress: Callable[[int], None] | None = None,
+    progress: Progress | None = None,
     on_total: Callable[[int], None] | None = None,
 ) -> ExportResult:
     """Write the values of checkpoint `ckpt` to `out` as one file.

@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from tqdm import tqdm
 
 
-class Progress:
-    """A byte-count callback driving a tqdm bar on stderr. The bar appears at `set_total` (or
-    the first update), so it starts with its total when one is known."""
+class ProgressBar:
+    """A `format.verify.Progress` (a byte-count callback) driving a tqdm bar on stderr. The bar
+    appears at `set_total` (or the first update), so it starts with its total when known."""
 
     def __init__(self, desc: str) -> None:
         self.desc = desc
@@ -43,12 +43,12 @@ class Progress:
 
 
 @contextlib.contextmanager
-def progress_bar(desc: str, wanted: bool | None) -> Iterator[Progress | None]:
+def progress_bar(desc: str, wanted: bool | None) -> Iterator[ProgressBar | None]:
     """A bar on stderr when `wanted`, or, with None, when stderr is a terminal."""
     if wanted is False or (wanted is None and not sys.stderr.isatty()):
         yield None
         return
-    progress = Progress(desc)
+    progress = ProgressBar(desc)
     try:
         yield progress
     finally:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
-import os
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -146,7 +145,3 @@ def check_cpu_group(group: ProcessGroup | None) -> None:
             "cannot run collectives on CPU tensors; pass a gloo group "
             "(torch.distributed.new_group(backend='gloo')) or none to let trainckpt create one"
         )
-
-
-def local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", "0"))
