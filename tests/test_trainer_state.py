@@ -209,7 +209,7 @@ def test_numpy_stays_optional(tmp_path):
     code = (
         "import sys; sys.modules['numpy'] = None\n"
         "import torch\n"
-        "from trainckpt.trainer_state import serialize_trainer_state as s, "
+        "from trainckpt.format.trainer_state import serialize_trainer_state as s, "
         "deserialize_trainer_state as d\n"
         "assert d(s({'step': 3, 'rng': torch.get_rng_state()}, 'x'), 'x')['step'] == 3\n"
         "print('ok')\n"

@@ -19,7 +19,7 @@ import torch
 
 from trainckpt.core import dist
 from trainckpt.errors import CheckpointError, ConfigurationError
-from trainckpt.format.plain_pickle import check_plain_pickles
+from trainckpt.format.safe_unpickle import check_plain_pickles
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata

@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 from collections.abc import Iterable
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -30,6 +30,8 @@ MAX_DCP_METADATA_BYTES = 1024 * 1024 * 1024
 shard of each tensor): a few hundred MB for a large FSDP job on thousands of ranks."""
 
 _DAMAGED = "the checkpoint is damaged: delete it or restore it from a copy"
+
+_Record = TypeVar("_Record", bound=BaseModel)
 
 
 class CheckpointMetadata(BaseModel):
@@ -51,15 +53,7 @@ class CheckpointMetadata(BaseModel):
         raw = _parse_json_object(data, where)
         if raw.get("ephemeral") is None:
             raw.pop("ephemeral", None)
-        try:
-            return cls.model_validate(raw)
-        except ValidationError as e:
-            raise CorruptCheckpointError(
-                f"{where} is not a valid commit record ({e.errors()[0]['msg']}); "
-                "the checkpoint cannot be trusted: delete it or restore it from a copy"
-            ) from e
-        except (ValueError, RecursionError, MemoryError) as e:
-            raise _unparsable(where, e) from e
+        return _validated(cls, raw, where, "commit record", "cannot be trusted")
 
 
 class CheckpointManifest(BaseModel):
@@ -93,17 +87,7 @@ class CheckpointManifest(BaseModel):
                 f"{where} has format {raw.get('format')!r}; this trainckpt reads format "
                 f"{FORMAT_VERSION}: upgrade trainckpt or re-save the checkpoint"
             )
-        try:
-            return cls.model_validate(raw)
-        except ValidationError as e:
-            err = e.errors()[0]
-            loc = ".".join(str(p) for p in err["loc"])
-            raise CorruptCheckpointError(
-                f"{where} is not a valid manifest ({loc}: {err['msg']}); "
-                "the checkpoint cannot be verified: delete it or restore it from a copy"
-            ) from e
-        except (ValueError, RecursionError, MemoryError) as e:
-            raise _unparsable(where, e) from e
+        return _validated(cls, raw, where, "manifest", "cannot be verified")
 
     @classmethod
     def merge(
@@ -179,6 +163,22 @@ def _parse_json_object(data: bytes, where: str) -> dict:
             f"{where} holds {type(raw).__name__}, not a JSON object; {_DAMAGED}"
         )
     return raw
+
+
+def _validated(model: type[_Record], raw: dict, where: str, what: str, so: str) -> _Record:
+    """`raw` (parsed from the file `where`) as a `model`; what does not fit is a
+    `CorruptCheckpointError` naming the file, the field and that the checkpoint `so`."""
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        raise CorruptCheckpointError(
+            f"{where} is not a valid {what} ({loc + ': ' if loc else ''}{err['msg']}); "
+            f"the checkpoint {so}: delete it or restore it from a copy"
+        ) from e
+    except (ValueError, RecursionError, MemoryError) as e:
+        raise _unparsable(where, e) from e
 
 
 def _unparsable(where: str, e: BaseException) -> CorruptCheckpointError:

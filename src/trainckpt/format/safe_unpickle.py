@@ -5,8 +5,11 @@ name. A security boundary: nothing read from a checkpoint is ever called, import
   own list of tensor and container globals) plus, scoped to the call, exactly numpy's
   reconstruction globals, bound to stand-ins that build only plain numeric/bool arrays, scalars
   and dtypes.
-- Pickled bytes that a trainer keeps inside its state (`plain_pickle.py` vets them before the
-  trainer's own `pickle.loads`): `NoGlobalsUnpickler`, which admits no global at all.
+- Pickled bytes that a trainer keeps inside its state (torchtitan's data loader stores its
+  position as `pickle.dumps` bytes and its `load_state_dict` calls `pickle.loads` on them; DCP
+  hands them over as plain data): `check_plain_pickles` vets them before the trainer's own
+  `pickle.loads`, with `NoGlobalsUnpickler`, which admits no global at all, so bytes that pass
+  cannot run code when the trainer unpickles them and bytes that do not are refused first.
 - DCP's `.metadata` (a plain protocol-2..5 pickle, which PyTorch's unpickler cannot read):
   `load_dcp_metadata`, an interpreter of the data opcodes only, whose globals are an exact table
   of fully qualified names (no dotted-name walk, no import, no `getattr`), whose REDUCE calls only
@@ -297,7 +300,9 @@ def _first_line(error: BaseException) -> str:
     return lines[0].split(" Please use ", 1)[0] if lines else ""
 
 
-# -- pickled bytes inside a state (vetted by plain_pickle.py): no globals at all -----------------
+# -- pickled bytes inside a state: vetted with no globals at all ----------------------------------
+
+_MAX_PICKLE_BYTES = 256 * 1024 * 1024
 
 
 class NoGlobalsUnpickler(pickle.Unpickler):
@@ -310,6 +315,48 @@ class NoGlobalsUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         raise UnsafeCheckpointError("the pickle holds persistent ids")
+
+
+def looks_like_pickle(data: bytes) -> bool:
+    """True for bytes that start like a pickle of protocol 2 or later (what `pickle.dumps`
+    writes by default)."""
+    return len(data) >= 2 and data[0] == 0x80 and 2 <= data[1] <= pickle.HIGHEST_PROTOCOL
+
+
+def check_plain_pickle(data: bytes, where: str) -> None:
+    """Raise `UnsafeCheckpointError` unless `data` unpickles to plain data only (nothing from
+    it is run: the check itself looks up no global). `where` names the value for the message."""
+    if len(data) > _MAX_PICKLE_BYTES:
+        raise UnsafeCheckpointError(
+            f"value '{where}': a pickled value of {len(data)} bytes is larger than trainckpt reads "
+            f"({_MAX_PICKLE_BYTES}); the checkpoint is damaged or not what it claims"
+        )
+    try:
+        NoGlobalsUnpickler(io.BytesIO(data)).load()
+    except UnsafeCheckpointError as e:
+        raise UnsafeCheckpointError(
+            f"value '{where}' holds pickled bytes that are not plain data ({e}); nothing from it "
+            "was loaded or run. Load an older checkpoint, or exclude this state from loading"
+        ) from e
+    except Exception as e:
+        raise UnsafeCheckpointError(
+            f"value '{where}' holds pickled bytes that cannot be read as plain data "
+            f"({type(e).__name__}: {e}); nothing from it was loaded or run"
+        ) from e
+
+
+def check_plain_pickles(value: Any, where: str) -> None:
+    """`check_plain_pickle` on every bytes value inside `value` (nested dicts and lists) that
+    looks like a pickle. Called on: each rank, on the state it loaded."""
+    if isinstance(value, (bytes, bytearray)):
+        if looks_like_pickle(bytes(value)):
+            check_plain_pickle(bytes(value), where)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_plain_pickles(v, f"{where}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_plain_pickles(v, f"{where}[{i}]")
 
 
 # -- DCP's .metadata: an interpreter of data opcodes with an exact table of globals ---------------
@@ -766,4 +813,12 @@ def load_dcp_metadata(data: bytes, where: str) -> Any:
             gc.enable()
 
 
-__all__ = ["NoGlobalsUnpickler", "load_dcp_metadata", "load_torch_plain", "numpy_value_problem"]
+__all__ = [
+    "NoGlobalsUnpickler",
+    "check_plain_pickle",
+    "check_plain_pickles",
+    "load_dcp_metadata",
+    "load_torch_plain",
+    "looks_like_pickle",
+    "numpy_value_problem",
+]
