@@ -14,7 +14,7 @@ import torch
 from hostile import Calls, shell, torch_save_bytes
 from models import assert_same_state, fresh_module, make_module
 
-from trainckpt import Checkpointer, CheckpointerConfig, Checkpointing, CheckpointPolicy
+from trainckpt import Checkpointer, CheckpointerConfig, CheckpointManager, CheckpointPolicy
 from trainckpt.errors import ConfigurationError, CorruptCheckpointError
 from trainckpt.format.local_layout import scan
 from trainckpt.storage.checksums import crc32c_bytes
@@ -104,7 +104,7 @@ def test_policy_saves_locally_between_save_folder_steps_and_resume_takes_the_new
 ):
     policy = CheckpointPolicy(save_interval=4, local_save_interval=1, pre_train_checkpoint=False)
     ckpt = _ckpt(tmp_path)
-    driver = Checkpointing(ckpt, policy, tmp_path / "save")
+    driver = CheckpointManager(ckpt, policy, tmp_path / "save")
     modules = {}
     for step in range(1, 7):
         modules[step] = make_module(seed=step)
@@ -115,14 +115,14 @@ def test_policy_saves_locally_between_save_folder_steps_and_resume_takes_the_new
     assert ckpt.latest_local() == 6  # steps 5 and 6 (local_keep=2) went to the local tier
 
     fresh = fresh_module()
-    resumed = Checkpointing(_ckpt(tmp_path), policy, tmp_path / "save").resume(fresh)
+    resumed = CheckpointManager(_ckpt(tmp_path), policy, tmp_path / "save").resume(fresh)
     assert resumed == (6, {"step": 6})
     assert_same_state(fresh, modules[6])
 
     for part in (tmp_path / "local").glob("step6/*/rank0"):
         (part / "train.pt").write_bytes(b"")  # the only copy of step 6 is lost
     fresh = fresh_module()
-    assert Checkpointing(_ckpt(tmp_path), policy, tmp_path / "save").resume(fresh) == (
+    assert CheckpointManager(_ckpt(tmp_path), policy, tmp_path / "save").resume(fresh) == (
         5,
         {"step": 5},
     )
@@ -132,4 +132,4 @@ def test_a_local_interval_without_a_local_dir_is_refused(tmp_path: Path):
     policy = CheckpointPolicy(local_save_interval=10)
     plain = CheckpointerConfig(work_dir=tmp_path / "w").build()
     with pytest.raises(ConfigurationError, match="local_dir"):
-        Checkpointing(plain, policy, tmp_path / "save")
+        CheckpointManager(plain, policy, tmp_path / "save")
