@@ -3,7 +3,7 @@
 Saves and loads of the same state to `gs://` (alternating, repeated), and `latest_checkpoint`
 on a folder of many committed checkpoints, timed and counted in HTTP requests by a relaying
 proxy between the clients and the server. The server and the proxy are the test suite's
-(`tests/servers.py`); run `python scripts/bench.py` for the whole benchmark.
+(`tests/support/servers.py`); run `python scripts/bench.py` for the whole benchmark.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ TRAIN_STATE = {"step": 1}
 
 def bench_gcs(size_mb: float, n_checkpoints: int, repeats: int, root: Path) -> dict[str, Any]:
     """Run the GCS part; print its table and return its numbers."""
-    from servers import FakeGCS, GCSFaultProxy, use_emulator
+    from support.servers import FakeGCS, GCSFaultProxy, use_emulator
 
     server = FakeGCS(root).start()
     try:

@@ -10,8 +10,8 @@ from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-from s3_server import s3_bucket, s3_proxy, s3_server  # noqa: E402,F401
-from servers import gcs_bucket, gcs_server, http_folder, http_server  # noqa: E402,F401
+from support.s3_server import s3_bucket, s3_proxy, s3_server  # noqa: E402,F401
+from support.servers import gcs_bucket, gcs_server, http_folder, http_server  # noqa: E402,F401
 
 from trainckpt import Checkpointer, CheckpointerConfig  # noqa: E402
 
@@ -19,25 +19,31 @@ from trainckpt import Checkpointer, CheckpointerConfig  # noqa: E402
 # (`--dist loadfile --no-loadscope-reorder`, as scripts/test.sh runs it), the workers start on
 # them and finish together, instead of one worker picking up a long file at the end. Only the
 # order changes; a file missing from this list just runs in its usual place.
-SLOW_FILES = (  # by their total time in a measured run, longest first
-    "test_cli.py",
-    "test_torchtitan_manager.py",
-    "test_olmo_trainer.py",
-    "test_exit_without_close.py",
-    "test_concurrent_saves_remote.py",
-    "test_distributed.py",
-    "test_resharding.py",
-    "test_fault_injection_gcs.py",
-    "test_fault_random.py",
-    "test_storage_errors.py",
-    "test_item_checks.py",
-    "test_hostile_records.py",
+SLOW_FILES = (  # paths under tests/, by their total time in a measured run, longest first
+    "cli/test_cli.py",
+    "e2e/test_torchtitan_manager.py",
+    "e2e/test_olmo_trainer.py",
+    "crash/test_exit_without_close.py",
+    "crash/test_concurrent_saves_remote.py",
+    "distributed/test_distributed.py",
+    "distributed/test_resharding.py",
+    "crash/test_fault_injection_gcs.py",
+    "crash/test_fault_random.py",
+    "unit/test_storage_errors.py",
+    "integrity/test_item_checks.py",
+    "integrity/test_hostile_records.py",
 )
 
 
-def pytest_collection_modifyitems(items: list) -> None:
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(SLOW_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))  # stable
+    here = Path(__file__).parent
+
+    def key(item: pytest.Item) -> int:
+        inside = item.path.is_relative_to(here)
+        return rank.get(item.path.relative_to(here).as_posix(), len(rank)) if inside else len(rank)
+
+    items.sort(key=key)  # stable
 
 
 @pytest.fixture

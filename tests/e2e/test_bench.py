@@ -1,0 +1,59 @@
+"""`scripts/bench.py` runs end to end on a tiny state and prints its tables (so it cannot rot).
+No time is asserted: only that every contender ran, loaded back what it saved, and reported."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_bench_runs_and_prints_its_table(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    args = ["--size-mb", "8", "--repeats", "1", "--import-repeats", "1"]
+    args += ["--gcs-size-mb", "4", "--gcs-checkpoints", "5", "--dir", str(tmp_path)]
+    args += ["--train-size-mb", "4", "--json", str(out)]
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    for row in (
+        "raw write+fsync",
+        "raw read",
+        "torch.save+fsync",
+        "plain DCP save",
+        "trainckpt save",
+        "trainckpt load",
+        "trainckpt save_async: call blocks",
+        "trainckpt save_async: until committed",
+        "GCS trainckpt save",
+        "GCS trainckpt load",
+        "trainckpt latest_checkpoint (5 ckpts)",
+        "import trainckpt after torch",
+        "floor: other process write+fsync",
+        "trainckpt save_async(overlap)",
+        "DCP async_save (process)",
+        "OLMo-core save_async",
+        "target trainckpt save_async: training lost / floor's",
+    ):
+        assert row in run.stdout, row
+    report = json.loads(out.read_text())
+    assert report["async_files_identical_to_sync"] is True
+    for name, r in report["results"].items():
+        assert 0 < r["min"] <= r["median"] <= r["max"], name
+    assert report["gcs"]["latest_checkpoint"]["trainckpt"]["requests"] >= 1
+    training = report["training"]["results"]
+    assert len(training) == 6  # the floor, two trainckpt modes, DCP thread and process, OLMo-core
+    for name, r in training.items():
+        assert r["steps_during"]["min"] >= 1, name  # training went on during every save
+        assert 0 < r["committed_s"]["min"] <= r["committed_s"]["max"], name
+    assert list((tmp_path).iterdir()) == [out]  # the benchmark's own files are removed

@@ -1,0 +1,77 @@
+"""The `.metadata` interpreter reads every real DCP pickle exactly as pickle does, and anything
+else ends in a `CheckpointError`: refused records, escaping storage paths, random damage."""
+
+from __future__ import annotations
+
+import pickle
+import random
+from pathlib import Path
+
+import pytest
+from support.models import make_module
+
+from trainckpt import CheckpointerConfig, CorruptCheckpointError, UnsafeCheckpointError
+from trainckpt.errors import CheckpointError
+from trainckpt.format.safe_unpickle import load_dcp_metadata
+
+
+@pytest.fixture(scope="module")
+def metadata_bytes(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    root = tmp_path_factory.mktemp("md")
+    c = CheckpointerConfig(work_dir=root / "work").build()
+    ckpt = Path(c.save(root / "run" / "step1", make_module(), {"step": 1}))
+    c.close()
+    return (ckpt / "model_and_optim" / ".metadata").read_bytes()
+
+
+@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
+def test_real_metadata_in_every_protocol_reads_as_pickle_does(metadata_bytes, protocol):
+    md = pickle.loads(metadata_bytes)  # our own file: trusted here
+    data = pickle.dumps(md, protocol=protocol)
+    assert load_dcp_metadata(data, "md") == md
+
+
+def test_storage_record_outside_the_folder_is_refused(metadata_bytes):
+    md = pickle.loads(metadata_bytes)
+    next(iter(md.storage_data.values())).relative_path = "../../elsewhere/x.distcp"
+    with pytest.raises(UnsafeCheckpointError, match="outside the checkpoint folder"):
+        load_dcp_metadata(pickle.dumps(md), "md")
+
+
+def test_record_without_a_required_field_is_refused(metadata_bytes):
+    md = pickle.loads(metadata_bytes)
+    del md.__dict__["state_dict_metadata"]
+    with pytest.raises(UnsafeCheckpointError, match="state_dict_metadata"):
+        load_dcp_metadata(pickle.dumps(md), "md")
+
+
+def test_truncated_metadata_is_corrupt_not_unsafe(metadata_bytes):
+    for cut in range(0, len(metadata_bytes), max(1, len(metadata_bytes) // 97)):
+        with pytest.raises(CorruptCheckpointError, match="md") as info:
+            load_dcp_metadata(metadata_bytes[:cut], "md")
+        assert type(info.value) is CorruptCheckpointError
+
+
+def test_random_damage_ends_in_a_checkpoint_error_or_the_same_data(metadata_bytes):
+    """Fuzz: flipped, inserted and deleted bytes (seeded). Every outcome is a CheckpointError
+    or a successful read; never another exception type."""
+    rng = random.Random(13)
+    outcomes: dict[str, int] = {}
+    for _ in range(400):
+        data = bytearray(metadata_bytes)
+        for _ in range(rng.randint(1, 4)):
+            i = rng.randrange(len(data))
+            kind = rng.choice(["flip", "insert", "delete"])
+            if kind == "flip":
+                data[i] ^= 1 << rng.randrange(8)
+            elif kind == "insert":
+                data.insert(i, rng.randrange(256))
+            else:
+                del data[i]
+        try:
+            load_dcp_metadata(bytes(data), "md")
+            outcome = "read"
+        except CheckpointError as e:
+            outcome = type(e).__name__
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    assert outcomes.get("UnsafeCheckpointError", 0) + outcomes.get("CorruptCheckpointError", 0)

@@ -1,0 +1,124 @@
+"""Run a function on N real ranks (spawned processes, gloo on 127.0.0.1) and collect results."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The torchrun-style environment of one rank of a job on 127.0.0.1:`port`."""
+    return dict(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+
+
+def _entry(
+    rank: int, fn: Callable[..., Any], world_size: int, port: int, out: str, args: tuple
+) -> None:
+    os.environ.update(rank_env(rank, world_size, port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        Path(out, f"{rank}.pkl").write_bytes(pickle.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180) -> list:
+    """Call `fn(rank, world_size, *args)` on `world_size` spawned ranks; return their results
+    in rank order. An exception on any rank fails the call; so does exceeding `timeout`."""
+    with tempfile.TemporaryDirectory() as out:
+        ctx = mp.start_processes(
+            _entry,
+            args=(fn, world_size, free_port(), out, args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"ranks did not finish within {timeout}s")
+        return [pickle.loads(Path(out, f"{r}.pkl").read_bytes()) for r in range(world_size)]
+
+
+WORKER = Path(__file__).with_name("rank_worker.py")
+
+
+def launch_ranks(
+    scenario: str,
+    world_size: int,
+    out: Path,
+    *args: str,
+    prefix: Callable[[int], list[str]] | None = None,
+    env: Callable[[int], dict[str, str]] | None = None,
+    timeout: float = 240,
+    worker: Path = WORKER,
+) -> list[tuple[int, dict | None]]:
+    """Run `tests/rank_worker.py SCENARIO` (or another `worker` script that runs
+    `rank_worker.main`) as `world_size` separate processes (one per rank,
+    optionally wrapped by `prefix(rank)`, e.g. in its own mount namespace) and return each
+    rank's (exit code, JSON result or None). Ranks that outlive `timeout` are killed and fail
+    the call: a hang is a test failure, never a pass."""
+    import json
+    import subprocess
+    import sys
+
+    out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        environ = dict(
+            os.environ,
+            **rank_env(rank, world_size, port),
+            PYTHONPATH=os.pathsep.join([str(WORKER.parents[1]), os.environ.get("PYTHONPATH", "")]),
+        )
+        environ.update(env(rank) if env else {})
+        cmd = [
+            *(prefix(rank) if prefix else []),
+            sys.executable,
+            str(worker),
+            scenario,
+            str(out),
+            *args,
+        ]
+        log = open(out / f"rank{rank}.log", "w")
+        procs.append(subprocess.Popen(cmd, env=environ, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            logs = "\n".join((out / f"rank{r}.log").read_text()[-2000:] for r in range(world_size))
+            raise TimeoutError(f"ranks of '{scenario}' hung for {timeout}s:\n{logs}") from None
+    results = []
+    for rank, code in enumerate(codes):
+        f = out / f"rank{rank}.json"
+        results.append((code, json.loads(f.read_text()) if f.exists() else None))
+    return results

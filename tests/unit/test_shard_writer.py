@@ -1,0 +1,134 @@
+"""The fast DCP writer: same files as DCP's, CRC32C computed while writing, parallel shards."""
+
+from __future__ import annotations
+
+import filecmp
+import io
+import json
+import threading
+import zipfile
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from support.damage import split_item_record
+from support.models import assert_same_state, fresh_module, make_module
+from torch.distributed.checkpoint import FileSystemReader
+
+from trainckpt import CheckpointerConfig
+from trainckpt.core.dcp import save_state
+from trainckpt.storage.checksums import crc32c_file
+
+
+def test_shards_written_in_parallel_carry_the_crc32c_of_their_bytes(tmp_path: Path) -> None:
+    module = make_module(width=64)
+    entries = save_state(module.state_dict_to_save(), tmp_path / "dcp", group=None, thread_count=4)
+    shards = sorted((tmp_path / "dcp").glob("*.distcp"))
+    assert len(shards) == 4  # one file per writer thread
+    assert set(entries) == {f"dcp/{p.name}" for p in shards} | {"dcp/.metadata"}
+    for rel, entry in entries.items():
+        assert entry == crc32c_file(tmp_path / rel), rel  # re-read from disk: same size and CRC
+
+
+def test_files_load_with_plain_dcp(tmp_path: Path) -> None:
+    src = make_module()
+    save_state(src.state_dict_to_save(), tmp_path / "dcp", group=None, thread_count=2)
+    dst = fresh_module()
+    state = dst.state_dict_to_save()
+    dcp.load(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    dst.load_state_dict(state)
+    assert_same_state(src, dst)
+
+
+def test_a_view_is_written_without_the_rest_of_its_storage(tmp_path: Path) -> None:
+    big = torch.arange(1_000_000, dtype=torch.float32)
+    view = big[10:20]
+    save_state({"v": view, "n": 3}, tmp_path / "dcp", group=None, thread_count=1)
+    size = sum(p.stat().st_size for p in (tmp_path / "dcp").glob("*.distcp"))
+    assert size < 10_000  # not the 4 MB storage behind the view
+    out = {"v": torch.zeros(10), "n": 0}
+    dcp.load(out, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert torch.equal(out["v"], view) and out["n"] == 3
+
+
+def test_a_rank_with_nothing_to_write_writes_no_shard(tmp_path: Path) -> None:
+    entries = save_state({}, tmp_path / "dcp", group=None, thread_count=2)
+    assert list(entries) == ["dcp/.metadata"]
+    assert not list((tmp_path / "dcp").glob("*.distcp"))
+
+
+def test_async_save_is_byte_identical_to_sync_save(tmp_path: Path) -> None:
+    """save_async returns once staged; changing the model right after must not change a byte."""
+    ckpt = CheckpointerConfig(work_dir=tmp_path / "work").build()
+    module = make_module(width=64)
+    sync_dir = Path(ckpt.save(tmp_path / "sync" / "step1", module, {"step": 1}))
+    future = ckpt.save_async(tmp_path / "async" / "step1", module, {"step": 1})
+    with torch.no_grad():
+        for p in module.model.parameters():
+            p.mul_(-3.0)  # the trainer steps while the save is still writing
+    async_dir = Path(future.result())
+    ckpt.close()
+
+    sync_files = json.loads((sync_dir / ".manifest.json").read_text())["files"]
+    async_files = json.loads((async_dir / ".manifest.json").read_text())["files"]
+    assert sync_files.keys() == async_files.keys()
+    compared = 0
+    for rel in sync_files:
+        if rel.endswith("/.metadata"):  # DCP's metadata holds a random save id
+            continue
+        if rel.endswith(".distcp"):  # so does each shard's item record: compare the rest
+            sync_items, sync_record = split_item_record(sync_dir / rel)
+            async_items, async_record = split_item_record(async_dir / rel)
+            assert sync_items == async_items and sync_record["items"] == async_record["items"]
+            assert sync_record["save_id"] != async_record["save_id"]
+        else:
+            assert filecmp.cmp(sync_dir / rel, async_dir / rel, shallow=False), rel
+            assert sync_files[rel] == async_files[rel]
+        compared += 1
+    assert compared >= 2  # trainer state and at least one shard
+
+
+def test_each_item_is_torch_save_without_the_zip_crc32_and_torch_load_reads_it(
+    tmp_path: Path,
+) -> None:
+    """Items skip the zip CRC32 (our CRC32C covers every byte); `torch.load` reads each one."""
+    state = {f"t{i}": torch.randn(1000 + i, dtype=torch.float32) for i in range(6)}
+    state["i"] = torch.arange(50, dtype=torch.int64)
+    save_state(state, tmp_path / "dcp", group=None, thread_count=2)
+    storage = FileSystemReader(str(tmp_path / "dcp")).read_metadata().storage_data
+    assert {index.fqn for index in storage} == set(state)
+    torch.serialization.set_crc32_options(False)
+    try:
+        for index, info in storage.items():
+            with open(tmp_path / "dcp" / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                item = f.read(info.length)
+            expected = io.BytesIO()
+            torch.save(state[index.fqn], expected)
+            assert item == expected.getvalue(), index.fqn
+            loaded = torch.load(io.BytesIO(item), weights_only=True)
+            assert torch.equal(loaded, state[index.fqn])
+    finally:
+        torch.serialization.set_crc32_options(True)
+
+
+def test_a_torch_save_on_another_thread_keeps_its_zip_crc32(tmp_path: Path) -> None:
+    """Skipping the CRC32 in our items must not leak into a trainer's own `torch.save`."""
+    state = {f"t{i}": torch.randn(1 << 20) for i in range(8)}  # the writes release the GIL
+    stop = threading.Event()
+
+    def save_repeatedly() -> None:
+        for n in range(4):
+            save_state(state, tmp_path / f"dcp{n}", group=None, thread_count=2)
+        stop.set()
+
+    saver = threading.Thread(target=save_repeatedly)
+    saver.start()
+    checked = 0
+    while not stop.is_set() or checked == 0:
+        buffer = io.BytesIO()
+        torch.save({"w": torch.randn(100)}, buffer)
+        assert zipfile.ZipFile(buffer).testzip() is None  # every entry has its CRC32
+        checked += 1
+    saver.join()
+    assert torch.serialization.get_crc32_options()
