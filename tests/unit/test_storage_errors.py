@@ -287,7 +287,7 @@ def test_a_failed_item_write_leaves_nothing_that_aborts_the_process_later(
     ("Fatal Python error: Aborted" in an unrelated test, much later)."""
     run = tmp_path / "run"
     code = SAVE_LIMITED.replace("20000", str(limit)) + SAVE.format(
-        tests=str(Path(__file__).parent), work=str(tmp_path / "work"), target=str(run / "step1")
+        tests=str(TESTS), work=str(tmp_path / "work"), target=str(run / "step1")
     )
     # Tensors of 2.4 MB: larger than the checksummed file's write buffer, so the limit is hit
     # inside torch's zip writer, not at a later flush.
