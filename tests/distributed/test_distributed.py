@@ -2,30 +2,19 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
-from support.multiproc import launch_ranks
+from support.multiproc import can_unshare_mounts, launch_ranks, on_disk
 
 pytestmark = pytest.mark.slow
-
-
-def _can_unshare_mounts() -> bool:
-    if shutil.which("unshare") is None or shutil.which("mount") is None:
-        return False
-    probe = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "true"], capture_output=True
-    )
-    return probe.returncode == 0
 
 
 def _committed(folder: Path) -> list[Path]:
     return sorted(folder.glob("*/.metadata.json"))
 
 
-@pytest.mark.skipif(not _can_unshare_mounts(), reason="needs mount namespaces (unshare, root)")
+@pytest.mark.skipif(not can_unshare_mounts(), reason="needs mount namespaces (unshare, root)")
 def test_unshared_folder_is_refused_on_every_rank_before_writing(tmp_path: Path):
     shared, node1 = tmp_path / "shared", tmp_path / "node1-disk"
     shared.mkdir()
@@ -35,8 +24,7 @@ def test_unshared_folder_is_refused_on_every_rank_before_writing(tmp_path: Path)
         # Rank 1 is "another node": the same path is its own local disk.
         if rank == 0:
             return []
-        script = f'mount --bind {node1} {shared} && exec "$@"'
-        return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh"]
+        return on_disk(node1, shared)
 
     results = launch_ranks("not_shared", 2, tmp_path / "out", str(shared), prefix=node_of)
     for code, res in results:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import socket
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -63,6 +65,24 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                     p.kill()
                 raise TimeoutError(f"ranks did not finish within {timeout}s")
         return [pickle.loads(Path(out, f"{r}.pkl").read_bytes()) for r in range(world_size)]
+
+
+def can_unshare_mounts() -> bool:
+    """Whether this machine lets a process take its own mount namespace (`unshare`, as root),
+    which the tests use to give a rank another "node's" disk at the same path."""
+    if shutil.which("unshare") is None or shutil.which("mount") is None:
+        return False
+    probe = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "true"], capture_output=True
+    )
+    return probe.returncode == 0
+
+
+def on_disk(disk: Path, at: Path) -> list[str]:
+    """A `launch_ranks` prefix: the rank runs in its own mount namespace with `disk`
+    bind-mounted at `at` (its node's local disk, seen at the path every node uses)."""
+    script = f'mount --bind {disk} {at} && exec "$@"'
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh"]
 
 
 WORKER = Path(__file__).with_name("rank_worker.py")

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from models import make_module
+from support.models import make_module
 
 from trainckpt import (
     CheckpointerConfig,

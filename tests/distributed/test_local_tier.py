@@ -1,5 +1,5 @@
 """The node-local tier over 4 gloo ranks on 2 simulated nodes: each "node" is its own folder
-bind-mounted at the same path in each rank's mount namespace (as in `test_distributed.py`).
+bind-mounted at the same path in each rank's mount namespace (`support.multiproc.on_disk`).
 Every restore is compared bit for bit (a digest of the loaded module's state) with what that
 rank saved at that step."""
 
@@ -11,18 +11,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from local_tier_worker import expected_digest
-from multiproc import launch_ranks
-from test_distributed import _can_unshare_mounts
+from support import SUPPORT
+from support.local_tier_worker import expected_digest
+from support.multiproc import can_unshare_mounts, launch_ranks, on_disk
 
 from trainckpt.format.local_layout import scan
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not _can_unshare_mounts(), reason="needs mount namespaces (unshare, root)"),
+    pytest.mark.skipif(not can_unshare_mounts(), reason="needs mount namespaces (unshare, root)"),
 ]
 
-WORKER = Path(__file__).with_name("local_tier_worker.py")
+WORKER = SUPPORT / "local_tier_worker.py"
 WORLD = 4
 
 
@@ -47,17 +47,13 @@ class Job:
     ) -> list[tuple[int, dict | None]]:
         self.runs += 1
 
-        def on_node(rank: int) -> list[str]:
-            script = f'mount --bind {self.disks[node_of(rank)]} {self.local} && exec "$@"'
-            return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh"]
-
         return launch_ranks(
             scenario,
             world,
             self.tmp / f"run{self.runs}",
             str(self.local),
             *args,
-            prefix=on_node,
+            prefix=lambda r: on_disk(self.disks[node_of(r)], self.local),
             env=lambda r: {
                 "LOCAL_WORLD_SIZE": "2",
                 "LOCAL_RANK": str(r % 2),
