@@ -21,7 +21,6 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for `support`
 from support import rank_worker  # noqa: E402
 from support.models import fresh_module, make_module  # noqa: E402
-
 from trainckpt import Checkpointer, CheckpointerConfig  # noqa: E402
 from trainckpt.faults import ENV_VAR  # noqa: E402
 

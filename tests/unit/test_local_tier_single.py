@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from hostile import Calls, shell, torch_save_bytes
-from models import assert_same_state, fresh_module, make_module
+from support.hostile import Calls, shell, torch_save_bytes
+from support.models import assert_same_state, fresh_module, make_module
 
 from trainckpt import Checkpointer, CheckpointerConfig, CheckpointManager, CheckpointPolicy
 from trainckpt.errors import ConfigurationError, CorruptCheckpointError
