@@ -163,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg.checkpointer, where=f"{args.config}: checkpointer"
     ).build()
     policy = CheckpointPolicy.validated(cfg.policy, where=f"{args.config}: policy")
-    step = resume(checkpointer, cfg.save_folder, module, sched, data)
     driver = CheckpointManager(checkpointer, policy, cfg.save_folder)
+    step = resume(driver, module, sched, data)
 
     def trainer_state() -> dict[str, Any]:
         """Plain types and tensors only: it is loaded back with weights_only=True."""
@@ -223,19 +223,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def resume(
-    checkpointer: Checkpointer,
-    folder: str,
+    driver: CheckpointManager,
     module: ModelAndOptim,
     sched: torch.optim.lr_scheduler.LRScheduler,
     data: MarkovTokens,
 ) -> int:
-    """Load the newest good checkpoint in `folder`, if any; return the step to continue from."""
-    path = checkpointer.find_latest_good(folder)
-    if path is None:
-        log.info("no checkpoint in '%s': starting from scratch", folder)
-        return 0
+    """Load the newest step of either tier (the save folder's newest good checkpoint, or the
+    node-local tier's newest step when newer), if any; return the step to continue from."""
     # A step-0 checkpoint loads weights only: the optimizer stays fresh, as it was at step 0.
-    state = checkpointer.load(path, module)
+    found = driver.resume(module)
+    if found is None:
+        log.info("no checkpoint in '%s': starting from scratch", driver.save_folder)
+        return 0
+    path, state = driver.resumed_from, found[1]
     if state is None:
         raise RuntimeError(f"'{path}' holds no trainer state; cannot resume from it")
     sched.load_state_dict(state["scheduler"])

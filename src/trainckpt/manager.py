@@ -87,6 +87,8 @@ class CheckpointManager:
             Remover(self.save_folder, policy) if dist.get_rank(self._group) == 0 else None
         )
         self._finished = False
+        self.resumed_from: str | None = None
+        """Where `resume` loaded from: a save-folder checkpoint or a local-tier step folder."""
         if policy.local_save_interval is not None and checkpointer.local_dir is None:
             raise ConfigurationError(
                 f"the policy sets local_save_interval={policy.local_save_interval}, but the "
@@ -173,6 +175,7 @@ class CheckpointManager:
                         "local step %d cannot be restored (%s); using the save folder", local, e
                     )
                 else:
+                    self.resumed_from = str(Path(str(self.checkpointer.local_dir)) / f"step{local}")
                     log.info(
                         "resuming from the local tier, step %d (save folder: %s)", local, saved
                     )
@@ -180,6 +183,7 @@ class CheckpointManager:
         if path is None or saved is None:
             return None
         log.info("resuming from '%s' (step %d)", path, saved)
+        self.resumed_from = path
         return saved, self.checkpointer.load(path, train_module)
 
     def wait_for_staging(self) -> None:

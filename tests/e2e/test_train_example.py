@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from support.example_run import Run, final_state, train, write_config
 
 from trainckpt import Checkpointer
@@ -105,4 +106,29 @@ def test_resume_from_the_pre_train_checkpoint_is_bit_identical(
     shutil.copytree(ref_final.parent / "step0", folder / "step0")
     out = train(config, folder, STEPS)
     assert re.search(r"resuming from '.*step0' \(step 0\)", out), out
+    assert_bit_identical(config, ref_final, folder / f"step{STEPS}")
+
+
+def test_sigkill_then_resume_from_the_local_tier_is_bit_identical(
+    reference: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """configs/train-two-tiers.yaml's policy: local saves between the save-folder ones; killed
+    after local step 12 committed (the save folder's newest is step 10), the run resumes from the
+    local tier and ends exactly as the uninterrupted one."""
+    _config, ref_final = reference
+    config = write_config(tmp_path, local_save_interval=1)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["checkpointer"]["local_dir"] = str(tmp_path / "local")
+    config.write_text(yaml.safe_dump(cfg))
+    folder = tmp_path / "ckpts"
+    run = Run(str(config), "--save-folder", str(folder), "--steps", str(STEPS))
+    run.wait_for(r"committed local checkpoint step 12 ")
+    run.proc.send_signal(signal.SIGKILL)
+    assert run.finish() == -signal.SIGKILL
+    assert max(s for s, _ in Checkpointer.find_checkpoints(folder)) < 12 < STEPS
+
+    resumed = Run(str(config), "--save-folder", str(folder), "--steps", str(STEPS))
+    m = resumed.wait_for(r"resuming from '(.*)' \(step (\d+)\)")
+    assert m.group(1).startswith(str(tmp_path / "local")) and int(m.group(2)) >= 12, m.group(0)
+    assert resumed.finish() == 0, resumed.output
     assert_bit_identical(config, ref_final, folder / f"step{STEPS}")

@@ -82,6 +82,7 @@ class LocalTier:
     replication_jump: int | None = None
     """Ranks between a part and its replica; None: ranks per node (`LOCAL_WORLD_SIZE`)."""
     keep: int = 2
+    _warned: bool = field(default=False, init=False)
     _disks: list[str] = field(default_factory=list, init=False)
     """The disk id of each rank (ranks with the same id share a disk)."""
 
@@ -215,8 +216,10 @@ class LocalTier:
         return part
 
     def _warn_thin_replication(self, transfers: list[Transfer], world: int) -> None:
-        if dist.get_rank(self.group) != 0 or self.replication_factor < 2:
+        """Warn once (rank 0) when some part has no replica on another disk."""
+        if dist.get_rank(self.group) != 0 or self.replication_factor < 2 or self._warned:
             return
+        self._warned = True
         thin = [o for o in range(world) if sum(t.owner == o for t in transfers) < 1]
         if thin:
             log.warning(
