@@ -8,12 +8,16 @@ os.environ.setdefault("NO_GCE_CHECK", "true")  # before google.auth is imported 
 
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
 
 import pytest  # noqa: E402
 from support.s3_server import s3_bucket, s3_proxy, s3_server  # noqa: E402,F401
 from support.servers import gcs_bucket, gcs_server, http_folder, http_server  # noqa: E402,F401
 
 from trainckpt import Checkpointer, CheckpointerConfig  # noqa: E402
+
+if TYPE_CHECKING:
+    from support.crash_worker import Launcher
 
 # Files that take minutes each. They are collected first so that, under pytest-xdist
 # (`--dist loadfile --no-loadscope-reorder`, as scripts/test.sh runs it), the workers start on
@@ -53,3 +57,24 @@ def ckpt(tmp_path: Path) -> Iterator[Checkpointer]:
     c = CheckpointerConfig(work_dir=tmp_path / "work").build()
     yield c
     c.close()
+
+
+@pytest.fixture(scope="session")
+def launcher() -> Launcher:
+    """Starts the crash tests' training runs, forked from one forkserver that preloaded
+    `support.crash_worker` (imported only here: it pays torch's slow lazy imports up front)."""
+    from support.crash_worker import Launcher
+
+    return Launcher.create()
+
+
+@pytest.fixture
+def single_rank(tmp_path: Path) -> Iterator[None]:
+    """A gloo process group of one rank for the test, destroyed after it (torchtitan's manager
+    needs one for retention and async saves; the torchtitan tests give trainckpt's one too)."""
+    import torch.distributed as dist
+    from support.titan_run import init_single_rank
+
+    init_single_rank(tmp_path / "pg")
+    yield
+    dist.destroy_process_group()

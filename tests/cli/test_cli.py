@@ -471,7 +471,7 @@ def test_timeout_bounds_commands_against_a_dead_endpoint():
     """A closed port on 127.0.0.1 as the GCS endpoint: with `--timeout 1` (before or after the
     subcommand) `ls` and `latest` give up after the deadline, in one line naming it, where the
     default of a training job (300 s) would keep retrying past this test's own time limit."""
-    from support.servers import free_port
+    from support.ports import free_port
 
     from trainckpt.cli.main import DEFAULT_TIMEOUT, build_parser
 

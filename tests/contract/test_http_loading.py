@@ -99,7 +99,7 @@ def test_http_folders_cannot_be_listed_or_written(published, ckpt, http_folder):
 
 
 def test_unreachable_http_server_is_a_storage_error(tmp_path):
-    from support.servers import free_port
+    from support.ports import free_port
 
     from trainckpt.errors import StorageError
     from trainckpt.storage import StorageOptions, storage_for

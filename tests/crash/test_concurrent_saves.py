@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 from support.crash_worker import (
-    Launcher,
     check_checkpoint,
     check_checkpoints,
     finish,
@@ -49,11 +48,6 @@ TRIALS = 10
 FS_TIMEOUT = 600.0
 """The racers' `fs_timeout` (crash_worker.save_steps): a loser that waited for anything until
 it expired would not finish within crash_worker.JOIN_TIMEOUT."""
-
-
-@pytest.fixture(scope="module")
-def launcher() -> Iterator[Launcher]:
-    yield Launcher.create()
 
 
 @pytest.fixture

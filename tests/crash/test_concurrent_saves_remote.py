@@ -14,7 +14,6 @@ import os
 import queue
 import signal
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +40,6 @@ from trainckpt.storage import Storage, resolve
 pytestmark = pytest.mark.slow
 
 LOSER_ERRORS = ("ConcurrentSaveError", "CheckpointExistsError")
-
-
-@pytest.fixture(scope="module")
-def launcher() -> Iterator[Launcher]:
-    yield Launcher.create()
 
 
 @pytest.fixture(params=["gcs", "s3"])

@@ -8,7 +8,6 @@ completes every remaining step, and its checkpoints hold what an uninterrupted r
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,11 +16,6 @@ from support.crash_worker import Launcher, check_checkpoints, finish, tmp_folder
 from trainckpt.faults import POINTS
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def launcher() -> Iterator[Launcher]:
-    yield Launcher.create()
 
 
 def _run(launcher: Launcher, folder: Path, last_step: int, mode: str, **fault: object) -> int:

@@ -8,10 +8,9 @@ itself: `test_fault_random_gcs.py`.
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
 
 import pytest
-from support.crash_worker import Launcher, check_checkpoints, finish, start_on_gcs
+from support.crash_worker import check_checkpoints, finish, start_on_gcs
 
 from trainckpt.faults import POINTS
 from trainckpt.storage import storage_for
@@ -19,11 +18,6 @@ from trainckpt.storage import storage_for
 pytestmark = pytest.mark.slow
 
 OBJECT_STORE_POINTS = [p for p in POINTS if p not in ("before-rename", "after-rename")]
-
-
-@pytest.fixture(scope="module")
-def launcher() -> Iterator[Launcher]:
-    yield Launcher.create()
 
 
 def _step_prefixes(url: str) -> list[str]:

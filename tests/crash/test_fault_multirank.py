@@ -5,21 +5,15 @@ every checkpoint the finders report loads exactly; two restarted ranks complete 
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from support.crash_worker import Launcher, check_checkpoints, finish, tmp_folders
-from support.multiproc import free_port
+from support.ports import free_port
 
 pytestmark = pytest.mark.slow
 
 WORLD = 2
-
-
-@pytest.fixture(scope="module")
-def launcher() -> Iterator[Launcher]:
-    yield Launcher.create()
 
 
 def _run_ranks(

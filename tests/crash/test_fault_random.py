@@ -12,21 +12,14 @@ from __future__ import annotations
 import random
 import signal
 import time
-from collections.abc import Iterator
 
 import pytest
-from support.crash_worker import KEEP, Launcher, check_checkpoints, tmp_folders
+from support.crash_worker import JOIN_TIMEOUT, KEEP, check_checkpoints, tmp_folders
 
 pytestmark = pytest.mark.slow
 
 REPETITIONS = 20
 STEPS_PER_RUN = 4
-JOIN_TIMEOUT = 120.0
-
-
-@pytest.fixture(scope="module")
-def launcher() -> Iterator[Launcher]:
-    yield Launcher.create()
 
 
 def test_random_kills_never_leave_a_bad_checkpoint(launcher, tmp_path):

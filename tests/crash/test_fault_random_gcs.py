@@ -9,24 +9,17 @@ from __future__ import annotations
 import random
 import signal
 import time
-from collections.abc import Iterator
 
 import pytest
 from support.crash_worker import (
     JOIN_TIMEOUT,
     KEEP,
-    Launcher,
     check_checkpoints,
     finish,
     start_on_gcs,
 )
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def launcher() -> Iterator[Launcher]:
-    yield Launcher.create()
 
 
 def test_gcs_random_kills(launcher, gcs_server, gcs_bucket, tmp_path):

@@ -8,18 +8,12 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
 
 import pytest
-from support.crash_worker import JOIN_TIMEOUT, Launcher, check_checkpoints, finish, start_on_gcs
+from support.crash_worker import JOIN_TIMEOUT, check_checkpoints, finish, start_on_gcs
 from support.servers import FakeGCS, use_emulator
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def launcher() -> Iterator[Launcher]:
-    yield Launcher.create()
 
 
 def test_gcs_server_killed_mid_run_then_restarted(launcher, gcs_server, tmp_path):

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from support import titan_run as tr
 
@@ -18,11 +17,7 @@ from trainckpt import Checkpointer, CorruptCheckpointError
 KINDS = ["torchtitan", "trainckpt"]
 
 
-@pytest.fixture(autouse=True)
-def single_rank(tmp_path: Path):
-    tr.init_single_rank(tmp_path / "pg")
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("single_rank")  # conftest.py: a gloo group of one rank
 
 
 def _llama_names() -> set[str]:

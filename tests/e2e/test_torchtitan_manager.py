@@ -21,12 +21,7 @@ from trainckpt.storage import resolve
 KINDS = ["torchtitan", "trainckpt"]
 
 
-@pytest.fixture(autouse=True)
-def single_rank(tmp_path: Path):
-    """torchtitan's manager needs a process group (retention, async saves); both get one."""
-    tr.init_single_rank(tmp_path / "pg")
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("single_rank")  # conftest.py: a gloo group of one rank
 
 
 def _steps(folder: Path) -> list[int]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -16,11 +15,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from support.ports import free_port
 
 
 def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:

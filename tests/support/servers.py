@@ -11,7 +11,6 @@ import email.utils
 import hashlib
 import http.server
 import os
-import socket
 import subprocess
 import threading
 import time
@@ -23,13 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from support.ports import free_port
+
 os.environ.setdefault("NO_GCE_CHECK", "true")  # before google.auth is imported anywhere
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class FakeGCS:
