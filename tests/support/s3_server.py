@@ -76,6 +76,19 @@ class MotoS3:
 
         return boto3.client("s3", endpoint_url=endpoint or self.url)
 
+    def objects(self, url: str) -> dict[str, bytes]:
+        """Every object under `url` (an s3:// folder) by name relative to it, read with a plain
+        boto3 client (what the server really holds, not what trainckpt reads)."""
+        client = self.client()
+        bucket, _, prefix = url.removeprefix("s3://").partition("/")
+        out = {}
+        pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
+        for page in pages:
+            for obj in page.get("Contents", []):
+                body = client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
+                out[obj["Key"][len(prefix) + 1 :]] = body
+        return out
+
     def put_many(self, bucket: str, keys: list[str], data: bytes) -> None:
         """Store many small objects straight into the server's store (it runs in this
         process): test setup of thousands of objects without thousands of HTTP requests."""
