@@ -1,8 +1,8 @@
 """Crash safety on gs:// (a real fake-gcs-server on 127.0.0.1): SIGKILL the training run at each
 named point of the object-store commit, sync and async. After every kill, each checkpoint the
 finders report passes a deep verify and loads exactly the values saved for its step; the
-restarted run, without save_overwrite, completes every step. Random kills and killing the server
-itself: `test_fault_random_gcs.py`.
+restarted run, without save_overwrite, completes every step. Random kills: `test_fault_random.py`;
+killing the server itself: `test_fault_server_gcs.py`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
-"""SIGKILL a real training run at random moments, many times over, on one save folder.
+"""SIGKILL a real training run at random moments, many times over, on one save folder: a local
+folder, and a gs:// prefix on a real fake-gcs-server on 127.0.0.1.
 
 Each repetition restarts the run from whatever the previous kill left (resuming from the newest
 good checkpoint, without save_overwrite), lets it save and delete for a random while, and kills
-it. After every kill every checkpoint the finders report must load exactly the values saved for
-its step; the last run must finish every step. The seed is fixed; the kill moments still fall
-differently on each machine, which is the point: every run samples new interleavings.
+it. After every kill every checkpoint the finders report must pass a deep verify and load
+exactly the values saved for its step; the last run must finish every step. The seed is fixed;
+the kill moments still fall differently on each machine, which is the point: every run samples
+new interleavings. Killing the GCS server itself: `test_fault_server_gcs.py`.
 """
 
 from __future__ import annotations
@@ -12,35 +14,59 @@ from __future__ import annotations
 import random
 import signal
 import time
+from multiprocessing.process import BaseProcess
+from multiprocessing.synchronize import Event
 
 import pytest
-from support.crash_worker import JOIN_TIMEOUT, KEEP, check_checkpoints, tmp_folders
+from support.crash_worker import (
+    JOIN_TIMEOUT,
+    KEEP,
+    Launcher,
+    check_checkpoints,
+    finish,
+    start_on_gcs,
+    tmp_folders,
+)
 
 pytestmark = pytest.mark.slow
 
-REPETITIONS = 20
-STEPS_PER_RUN = 4
+# Per back end: (seed, repetitions, steps per run). A gs:// run takes longer, so it has fewer.
+CASES = {"local": (20261121, 20, 4), "gcs": (4242, 8, 3)}
 
 
-def test_random_kills_never_leave_a_bad_checkpoint(launcher, tmp_path):
-    rng = random.Random(20261121)
-    folder, work = tmp_path / "run", str(tmp_path / "work")
+@pytest.mark.parametrize("backend", list(CASES))
+def test_random_kills_never_leave_a_bad_checkpoint(
+    launcher: Launcher, backend: str, request: pytest.FixtureRequest, tmp_path
+) -> None:
+    seed, repetitions, steps_per_run = CASES[backend]
+    rng = random.Random(seed)
+    if backend == "gcs":
+        emulator = request.getfixturevalue("gcs_server").url
+        folder = f"{request.getfixturevalue('gcs_bucket')}/run"
 
-    # One undisturbed run: how long STEPS_PER_RUN saves take here, to spread kills over.
-    proc, ready = launcher.start(str(folder), work, STEPS_PER_RUN, "sync")
-    assert ready.wait(JOIN_TIMEOUT)
+        def start(last: int, mode: str) -> tuple[BaseProcess, Event]:
+            return start_on_gcs(launcher, tmp_path, folder, emulator, last, mode)
+
+    else:
+        folder, work = str(tmp_path / "run"), str(tmp_path / "work")
+
+        def start(last: int, mode: str) -> tuple[BaseProcess, Event]:
+            return launcher.start(folder, work, last, mode)
+
+    # One undisturbed run: how long its saves take here, to spread kills over.
+    proc, ready = start(steps_per_run, "sync")
+    assert ready.wait(JOIN_TIMEOUT), "the run never got ready"
     began = time.monotonic()
-    proc.join(JOIN_TIMEOUT)
+    assert finish(proc) == 0
     span = time.monotonic() - began
-    assert proc.exitcode == 0
-    last = STEPS_PER_RUN
+    last = steps_per_run
 
     killed = 0
-    for rep in range(REPETITIONS):
+    for rep in range(repetitions):
         mode = rng.choice(["sync", "async"])
-        last += STEPS_PER_RUN  # every run has new steps to save
+        last += steps_per_run  # every run has new steps to save
         delay = rng.uniform(0.0, span)
-        proc, ready = launcher.start(str(folder), work, last, mode)
+        proc, ready = start(last, mode)
         assert ready.wait(JOIN_TIMEOUT), "the run never got ready"
         began = time.monotonic()
         proc.join(delay)  # wakes early if the run ends; otherwise the kill comes at `delay`
@@ -49,17 +75,17 @@ def test_random_kills_never_leave_a_bad_checkpoint(launcher, tmp_path):
             killed += 1
         else:  # the machine got faster: aim the next kills at the shorter runs
             span = (span + time.monotonic() - began) / 2
-        proc.join(JOIN_TIMEOUT)
+        code = finish(proc)
         why = f"repetition {rep} ({mode}, kill after {delay:.3f}s)"
-        assert proc.exitcode in (0, -signal.SIGKILL), f"{why}: the run failed: {proc.exitcode}"
-        found = check_checkpoints(folder)
+        assert code in (0, -signal.SIGKILL), f"{why}: the run failed with exit code {code}"
+        found = check_checkpoints(folder, tmp_path / "check")
         assert len(found) <= KEEP + 1, f"{why}: {found}"  # one more while a delete was cut short
 
     # Most repetitions must have been cut short, or the test proved little.
-    assert killed >= REPETITIONS // 4, f"only {killed} of {REPETITIONS} runs were killed"
+    assert killed >= repetitions // 4, f"only {killed} of {repetitions} runs were killed"
 
-    proc, _ready = launcher.start(str(folder), work, last + 2, "async")
-    proc.join(JOIN_TIMEOUT)
-    assert proc.exitcode == 0
-    assert check_checkpoints(folder) == [last + 1, last + 2]
-    assert not list(tmp_folders(folder))
+    proc, _ready = start(last + 2, "async")
+    assert finish(proc) == 0
+    assert check_checkpoints(folder, tmp_path / "check") == [last + 1, last + 2]
+    if backend == "local":  # a local save writes into `stepN-tmp` first
+        assert not list(tmp_folders(tmp_path / "run"))
