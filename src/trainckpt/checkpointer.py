@@ -15,19 +15,18 @@ from typing import Any, ClassVar
 
 from trainckpt.config import CheckpointerConfig
 from trainckpt.core import amend, dist, exit_guard
-from trainckpt.core.commit import OnFile, SaveRequest, delete_checkpoint, save_checkpoint
-from trainckpt.core.direct import load_direct, loads_directly, save_direct, saves_directly
+from trainckpt.core.commit import SaveRequest, delete_checkpoint, save_checkpoint
+from trainckpt.core.direct import load_direct, loads_directly, saves_directly
 from trainckpt.core.futures import CallbacksFirstFuture
 from trainckpt.core.local_tier import LocalTier, load_into
+from trainckpt.core.rank_write import ListedFiles, TrainingFiles
 from trainckpt.core.staging import Stager, StreamMark
-from trainckpt.core.upload_turns import run_in_turns
 from trainckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     ConfigurationError,
     StorageError,
 )
-from trainckpt.faults import fault_point
 from trainckpt.format import folder as save_folder
 from trainckpt.format import layout
 from trainckpt.format.records import CheckpointManifest, CheckpointMetadata
@@ -41,7 +40,6 @@ from trainckpt.format.verify import (
     verify_checkpoint,
 )
 from trainckpt.storage import LocalStorage, Storage, StorageOptions, resolve
-from trainckpt.storage.checksums import FileEntry, crc32c_bytes, crc32c_file
 from trainckpt.storage.local import writing
 from trainckpt.train_module import TrainModule
 
@@ -138,9 +136,7 @@ class Checkpointer:
         start = time.perf_counter()
         req = self._request(dir, ephemeral)
         trainer_bytes, state = self._prepare(req.dir, train_module, train_state, stage=False)
-        path = save_checkpoint(
-            req, self._write_fn(state, trainer_bytes, _dcp_dir(req), train_module)
-        )
+        path = save_checkpoint(req, self._training_files(req, train_module, trainer_bytes, state))
         self._log_saved(path, start, start)
         return path
 
@@ -202,7 +198,7 @@ class Checkpointer:
                 staged = self._stage_in_background(req, state, staging, mark)
             staged_at = time.perf_counter()
             path = save_checkpoint(
-                req, self._write_fn(staged, trainer_bytes, _dcp_dir(req), train_module)
+                req, self._training_files(req, train_module, trainer_bytes, staged)
             )
             self._log_saved(path, start, start if overlap_staging else staged_at)
             return path
@@ -256,36 +252,7 @@ class Checkpointer:
         self._finish_pending()
         start = time.perf_counter()
         req = self._request(dir, ephemeral)
-        group = self.process_group
-
-        def write(folder: Path, durable: bool, on_file: OnFile | None) -> dict[str, FileEntry]:
-            error: Exception | None = None
-            entries: dict[str, FileEntry] = {}
-            try:
-                if dist.get_rank(group) == 0:
-                    for rel in write_files(folder):
-                        if not layout.is_safe_relpath(rel):
-                            raise ConfigurationError(
-                                f"save_files: '{rel}' is not a path inside '{req.dir}'"
-                            )
-                        if durable:
-                            with open(folder / rel, "rb") as f:
-                                os.fsync(f.fileno())
-                        entries[rel] = crc32c_file(folder / rel)
-                        if on_file is not None:
-                            on_file(rel)
-            except CheckpointError as e:
-                error = e
-            except Exception as e:
-                error = StorageError(
-                    f"writing the files of checkpoint '{req.dir}' failed ({type(e).__name__}: "
-                    f"{e}); nothing was committed: fix the cause and save again"
-                )
-                error.__cause__ = e
-            dist.agree(error, f"writing the files of '{req.dir}'", group)
-            return entries
-
-        path = save_checkpoint(req, write)
+        path = save_checkpoint(req, ListedFiles(write_files, req.dir, self.process_group))
         self._log_saved(path, start, start)
         return path
 
@@ -391,67 +358,22 @@ class Checkpointer:
             fs_timeout=self.fs_timeout,
             work_dir=self.work_dir,
             upload_threads=self._storage_options.thread_count,
-            upload_turns=run_in_turns(self.process_group) if self.throttle_uploads else None,
+            throttle_uploads=self.throttle_uploads,
             claim_lease=self.claim_lease,
         )
 
-    def _write_fn(
-        self,
-        state: dict[str, Any],
-        trainer_bytes: bytes,
-        dcp_dir: str,
-        train_module: TrainModule,
-    ):
-        group = self.process_group
-        threads = self.save_thread_count or _default_threads()
-        direct = saves_directly(train_module)
-
-        def write(folder: Path, durable: bool, on_file: OnFile | None) -> dict[str, FileEntry]:
-            from trainckpt.core.dcp import (
-                save_state,  # imported on first use: DCP takes ~1 s to import
-            )
-
-            rel = layout.trainer_state_file(dist.get_rank(group))
-            error: Exception | None = None
-            try:
-                LocalStorage().write_bytes(str(folder / rel), trainer_bytes)
-            except Exception as e:
-                error = e
-            dist.agree(error, f"writing trainer state under '{folder}'", group)
-            if on_file is not None:
-                on_file(rel)
-            fault_point("writing-shards")
-            entries = {rel: FileEntry(size=len(trainer_bytes), crc32c=crc32c_bytes(trainer_bytes))}
-            # Staging for an upload (not durable): one shard file per upload thread.
-            shards = threads if durable else max(threads, self._storage_options.thread_count)
-            model_dir = folder / dcp_dir if dcp_dir else folder
-            prefix = f"{dcp_dir}/" if dcp_dir else ""
-            if direct:
-                entries.update(
-                    save_direct(
-                        train_module,
-                        model_dir,
-                        prefix,
-                        group=group,
-                        thread_count=shards,
-                        durable=durable,
-                    )
-                )
-            else:
-                entries.update(
-                    save_state(
-                        state,
-                        model_dir,
-                        group=group,
-                        thread_count=shards,
-                        durable=durable,
-                        on_file=on_file,
-                        prefix=prefix,
-                    )
-                )
-            return entries
-
-        return write
+    def _training_files(
+        self, req: SaveRequest, train_module: TrainModule, trainer_bytes: bytes, state: dict
+    ) -> TrainingFiles:
+        """What each rank writes for a save of `train_module` (`rank_write.py`)."""
+        return TrainingFiles(
+            trainer_state=trainer_bytes,
+            model_state=state,
+            direct_module=train_module if saves_directly(train_module) else None,
+            dcp_dir=layout.dcp_dirname(req.storage.name(req.dir)),
+            group=self.process_group,
+            thread_count=self.save_thread_count or _default_threads(),
+        )
 
     def _log_saved(self, path: str, start: float, unblocked: float) -> None:
         end = time.perf_counter()
@@ -818,8 +740,3 @@ def _exclude(
     if trainer_state is None:
         return None
     return {k: v for k, v in trainer_state.items() if k not in names}
-
-
-def _dcp_dir(req: SaveRequest) -> str:
-    """Where the DCP files of the checkpoint `req` saves go, by its folder's naming."""
-    return layout.dcp_dirname(req.storage.name(req.dir))

@@ -57,27 +57,30 @@ def test_manifest_crc32c_equals_what_gcs_computed(ckpt, gcs_bucket):
 def test_files_upload_while_the_rest_are_still_written(tmp_path, gcs_bucket):
     """Object stores: a file is uploaded as soon as it is written, not after the last one."""
     from trainckpt.core.commit import SaveRequest, save_checkpoint, wait_for
+    from trainckpt.core.rank_write import WriteTarget
     from trainckpt.storage import resolve
     from trainckpt.storage.checksums import FileEntry, crc32c_bytes
 
     storage, target = resolve(f"{gcs_bucket}/run/step1")
     first_seen_before_second_written = []
 
-    def write(folder: Path, durable: bool, on_file) -> dict[str, FileEntry]:
-        entries = {}
-        for rel in ("train/rank0.pt", "model_and_optim/__0_0.distcp"):
-            data = rel.encode() * 1000
-            (folder / rel).parent.mkdir(parents=True, exist_ok=True)
-            (folder / rel).write_bytes(data)
-            entries[rel] = FileEntry(size=len(data), crc32c=crc32c_bytes(data))
-            on_file(rel)
-            if rel.startswith("train/"):  # before writing the next file, the first is up
-                first_seen_before_second_written.append(
-                    wait_for(lambda r=rel: storage.exists(storage.join(target, r)), timeout=30)
-                )
-        return entries
+    class TwoFiles:
+        def write(self, to: WriteTarget) -> dict[str, FileEntry]:
+            entries = {}
+            for rel in ("train/rank0.pt", "model_and_optim/__0_0.distcp"):
+                data = rel.encode() * 1000
+                (to.folder / rel).parent.mkdir(parents=True, exist_ok=True)
+                (to.folder / rel).write_bytes(data)
+                entries[rel] = FileEntry(size=len(data), crc32c=crc32c_bytes(data))
+                assert to.on_file is not None
+                to.on_file(rel)
+                if rel.startswith("train/"):  # before writing the next file, the first is up
+                    first_seen_before_second_written.append(
+                        wait_for(lambda r=rel: storage.exists(storage.join(target, r)), timeout=30)
+                    )
+            return entries
 
     req = SaveRequest(storage, target, 1, False, False, None, 30.0, tmp_path / "work")
-    assert save_checkpoint(req, write) == target
+    assert save_checkpoint(req, TwoFiles()) == target
     assert first_seen_before_second_written == [True]
     assert Checkpointer.latest_checkpoint(f"{gcs_bucket}/run") == target

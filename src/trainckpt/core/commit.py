@@ -1,10 +1,12 @@
 """The commit protocol (DESIGN §4): how a save becomes a checkpoint, or leaves nothing behind.
 
-One function per kind of target, each reading top to bottom. Both end the same way: rank 0
-writes `.manifest.json`, checks that every file it lists is there with its size, and writes
-`.metadata.json`; a folder without `.metadata.json` is never a checkpoint, whatever else it
-holds. On object stores a save first claims its step (`claim.py`), so two saves of one step
-never write into the same prefix.
+One function per kind of target, each reading top to bottom: lock or claim the step, every rank
+writes its files (`rank_write.py`: what a rank writes, and the agreements and fault points
+inside), all ranks agree, then rank 0 writes `.manifest.json`, checks that every file it lists
+is there with its size, and writes `.metadata.json`; a folder without `.metadata.json` is never
+a checkpoint, whatever else it holds. On object stores a save first claims its step
+(`claim.py`), so two saves of one step never write into the same prefix. `Checkpointer` calls
+`save_checkpoint` once; nothing here calls back into it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from pathlib import Path
 from trainckpt.core import claim as claims
 from trainckpt.core import dist
 from trainckpt.core.claim import Claim
+from trainckpt.core.rank_write import RankFiles, WriteTarget
 from trainckpt.core.step_lock import StepLock
+from trainckpt.core.upload_turns import run_in_turns
 from trainckpt.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -43,14 +47,6 @@ from trainckpt.storage.local import writing
 
 log = logging.getLogger(__name__)
 
-OnFile = Callable[[str], None]
-WriteFn = Callable[[Path, bool, OnFile | None], dict[str, FileEntry]]
-"""`write(folder, durable, on_file)` writes this rank's files of the checkpoint under a local
-folder and returns them (relative path -> size and CRC32C); with `durable`, each file is
-fsynced (staging copies that are uploaded next need not be). `on_file(relative path)`, when
-given, is called as soon as a file is complete (from any thread). Called on all ranks; may run
-collectives on the commit's group."""
-
 PROBE_PREFIX = ".probe-"
 
 
@@ -66,20 +62,22 @@ class SaveRequest:
     work_dir: Path
     upload_threads: int = 8
     """Parallel uploads of one rank to an object store."""
-    upload_turns: Callable[[Callable[[], None]], None] | None = None
-    """Runs a rank's uploads, possibly in turns with other ranks (`throttle_uploads`)."""
+    throttle_uploads: bool = False
+    """Object stores: the ranks of a node upload in turns (`upload_turns.py`), after all of
+    their files are written; otherwise each file is uploaded as soon as it is written."""
     claim_lease: float = claims.DEFAULT_LEASE
     """Object stores: lease of this save's claim on its step (`claim.py`)."""
 
 
-def save_checkpoint(req: SaveRequest, write: WriteFn) -> str:
-    """Save through the protocol that fits the target's back end; return the committed path.
+def save_checkpoint(req: SaveRequest, files: RankFiles) -> str:
+    """Save this rank's `files` through the protocol that fits the target's back end; return
+    the committed path.
 
     Called on: all ranks.
     """
     if req.storage.atomic_rename:
-        return _save_by_rename(req, write)
-    return _save_to_object_store(req, write)
+        return _save_by_rename(req, files)
+    return _save_to_object_store(req, files)
 
 
 def delete_leftover(storage: Storage, dir: str) -> bool:
@@ -119,7 +117,7 @@ def wait_for(predicate: Callable[[], bool], timeout: float) -> bool:
 # -- local and shared filesystems ----------------------------------------------------------------
 
 
-def _save_by_rename(req: SaveRequest, write: WriteFn) -> str:
+def _save_by_rename(req: SaveRequest, files: RankFiles) -> str:
     storage, dir, group = req.storage, req.dir, req.group
     tmp = storage.join(storage.parent(dir), tmp_name(storage.name(dir)))
     # Rank 0 locks `dir` (and with it `-tmp`) for the whole save (`step_lock.py`): no other
@@ -135,7 +133,7 @@ def _save_by_rename(req: SaveRequest, write: WriteFn) -> str:
             f"preparing '{tmp}'",
             group,
         )
-        return _write_and_rename(req, write, tmp, token)
+        return _write_and_rename(req, files, tmp, token)
     except BaseException:
         if lock.held:  # rank 0, owner of `-tmp`: leave none behind a failed save
             try:
@@ -147,7 +145,7 @@ def _save_by_rename(req: SaveRequest, write: WriteFn) -> str:
         lock.release()
 
 
-def _write_and_rename(req: SaveRequest, write: WriteFn, tmp: str, token: str) -> str:
+def _write_and_rename(req: SaveRequest, files: RankFiles, tmp: str, token: str) -> str:
     """Steps 2-6 of `_save_by_rename`, once `-tmp` exists. Called on: all ranks."""
     storage, dir, group = req.storage, req.dir, req.group
 
@@ -169,7 +167,7 @@ def _write_and_rename(req: SaveRequest, write: WriteFn, tmp: str, token: str) ->
     )
 
     # 3. Every rank writes its files into `-tmp`, each fsynced. A failure on any rank stops all.
-    entries, error = _run_write(write, storage.local_path(tmp), durable=True)
+    entries, error = _run_write(files, WriteTarget(storage.local_path(tmp), durable=True))
     fault_point("after-shards")
     dist.agree(error, f"writing checkpoint files into '{tmp}'", group)
 
@@ -272,7 +270,7 @@ def _deletion_lock(storage: Storage, path: str) -> Iterator[None]:
 # -- object stores -----------------------------------------------------------------------------
 
 
-def _save_to_object_store(req: SaveRequest, write: WriteFn) -> str:
+def _save_to_object_store(req: SaveRequest, files: RankFiles) -> str:
     storage, dir, group = req.storage, req.dir, req.group
 
     # 1. Prepare (rank 0): refuse a committed target; claim the step (`claim.py`), so that no
@@ -282,7 +280,7 @@ def _save_to_object_store(req: SaveRequest, write: WriteFn) -> str:
     dist.run_on_rank0(lambda: held.append(_prepare_prefix(req)), f"preparing '{dir}'", group)
     claim = held[0] if held else None
     try:
-        entries = _write_and_upload(req, write)
+        entries = _write_and_upload(req, files)
         # 4. After every upload completed: rank 0 uploads the manifest, checks that it holds
         #    the claim still and that every listed file is there, then the commit record.
         parts = dist.all_gather_object(entries, group)
@@ -300,7 +298,7 @@ def _save_to_object_store(req: SaveRequest, write: WriteFn) -> str:
     return dir
 
 
-def _write_and_upload(req: SaveRequest, write: WriteFn) -> dict[str, FileEntry]:
+def _write_and_upload(req: SaveRequest, files: RankFiles) -> dict[str, FileEntry]:
     """Steps 2-3 of `_save_to_object_store`: every rank writes its files into a staging folder
     and uploads them (create-only) into the claimed prefix. Called on: all ranks."""
     storage, dir, group = req.storage, req.dir, req.group
@@ -311,12 +309,18 @@ def _write_and_upload(req: SaveRequest, write: WriteFn) -> dict[str, FileEntry]:
         # Not fsynced: the uploaded objects are the copies that must last. Unless uploads go in
         # turns (`throttle_uploads`), each file is uploaded as soon as it is written.
         early = (
-            None if req.upload_turns else _EarlyUploads(storage, staging, dir, req.upload_threads)
+            None
+            if req.throttle_uploads
+            else _EarlyUploads(storage, staging, dir, req.upload_threads)
         )
         try:
-            entries, error = _run_write(
-                write, staging, durable=False, on_file=early.submit if early else None
+            to = WriteTarget(
+                staging,
+                durable=False,
+                upload_threads=req.upload_threads,
+                on_file=early.submit if early else None,
             )
+            entries, error = _run_write(files, to)
             fault_point("after-shards")
             dist.agree(error, f"writing checkpoint files into '{staging}'", group)
 
@@ -326,12 +330,12 @@ def _write_and_upload(req: SaveRequest, write: WriteFn) -> dict[str, FileEntry]:
                 if early is not None:
                     early.finish(list(entries))
                 else:
-                    assert req.upload_turns is not None
-                    req.upload_turns(
+                    run_in_turns(
                         lambda: storage.upload_many(
                             [(staging / rel, storage.join(dir, rel)) for rel in entries],
                             overwrite=False,
-                        )
+                        ),
+                        group,
                     )
             except Exception as e:
                 error = e
@@ -426,11 +430,10 @@ def _exists(dir: str) -> CheckpointExistsError:
 # -- shared steps --------------------------------------------------------------------------------
 
 
-def _run_write(
-    write: WriteFn, folder: Path, *, durable: bool, on_file: OnFile | None = None
-) -> tuple[dict[str, FileEntry], Exception | None]:
+def _run_write(files: RankFiles, to: WriteTarget) -> tuple[dict[str, FileEntry], Exception | None]:
+    """This rank's files, written (`rank_write.py`), or the error that stopped it."""
     try:
-        return write(folder, durable, on_file), None
+        return files.write(to), None
     except Exception as e:  # shared with the other ranks by the caller
         return {}, e
 

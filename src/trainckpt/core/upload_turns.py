@@ -28,27 +28,23 @@ def node_turn(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return turn, turns
 
 
-def run_in_turns(group: dist.ProcessGroup | None) -> Callable[[Callable[[], None]], None]:
-    """An `upload_turns` hook for `SaveRequest`: runs `upload` in this rank's turn.
+def run_in_turns(upload: Callable[[], None], group: dist.ProcessGroup | None) -> None:
+    """Run `upload` in this rank's turn under the rule above.
 
     An upload error is held until every turn has passed (so every rank joins every barrier)
     and then raised; the commit protocol then shares it with the other ranks.
     Called on: all ranks of `group`.
     """
-
-    def run(upload: Callable[[], None]) -> None:
-        turn, turns = node_turn(group)
-        error: Exception | None = None
-        for current in range(turns):
-            if current == turn:
-                try:
-                    upload()
-                except Exception as e:  # raised after the last turn, below
-                    error = e
-            # End of a turn: without this barrier, the node's next rank would start uploading
-            # while this turn's rank is still sending, and the node's uploads would overlap.
-            dist.barrier(group)
-        if error is not None:
-            raise error
-
-    return run
+    turn, turns = node_turn(group)
+    error: Exception | None = None
+    for current in range(turns):
+        if current == turn:
+            try:
+                upload()
+            except Exception as e:  # raised after the last turn, below
+                error = e
+        # End of a turn: without this barrier, the node's next rank would start uploading
+        # while this turn's rank is still sending, and the node's uploads would overlap.
+        dist.barrier(group)
+    if error is not None:
+        raise error
