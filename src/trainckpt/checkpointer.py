@@ -16,30 +16,28 @@ from typing import Any, ClassVar
 from trainckpt.config import CheckpointerConfig
 from trainckpt.core import amend, dist, exit_guard
 from trainckpt.core.commit import SaveRequest, delete_checkpoint, save_checkpoint
-from trainckpt.core.direct import load_direct, loads_directly, saves_directly
+from trainckpt.core.direct import saves_directly
 from trainckpt.core.futures import CallbacksFirstFuture
+from trainckpt.core.load import LoadRequest, load_checkpoint
 from trainckpt.core.local_tier import LocalTier, load_into
 from trainckpt.core.rank_write import ListedFiles, TrainingFiles
 from trainckpt.core.staging import Stager, StreamMark
 from trainckpt.errors import (
     CheckpointError,
-    CheckpointNotFoundError,
     ConfigurationError,
     StorageError,
 )
 from trainckpt.format import folder as save_folder
 from trainckpt.format import layout
-from trainckpt.format.records import CheckpointManifest, CheckpointMetadata
-from trainckpt.format.trainer_state import deserialize_trainer_state, serialize_trainer_state
+from trainckpt.format.records import CheckpointMetadata
+from trainckpt.format.trainer_state import serialize_trainer_state
 from trainckpt.format.verify import (
     Progress,
     VerifyReport,
-    check_before_load,
-    check_loaded_file,
     newest_good,
     verify_checkpoint,
 )
-from trainckpt.storage import LocalStorage, Storage, StorageOptions, resolve
+from trainckpt.storage import StorageOptions, resolve
 from trainckpt.storage.local import writing
 from trainckpt.train_module import TrainModule
 
@@ -413,136 +411,24 @@ class Checkpointer:
         Called on: all ranks.
         """
         self._finish_pending()
-        start = time.perf_counter()
         storage, path = resolve(dir, self._storage_options)
-        folder = save_folder.dcp_folder(storage, path)
-        manifest = check_before_load(storage, path, self.verify_on_load, self.process_group)
-
-        trainer_state = None
-        if load_trainer_state is not False:
-            error: Exception | None = None
-            try:
-                trainer_state = self._load_trainer_state(
-                    storage, path, manifest, required=bool(load_trainer_state)
-                )
-            except Exception as e:  # each rank reads its own file: a failure may be one rank's
-                error = e
-            dist.agree(error, f"reading the trainer state of '{path}'", self.process_group)
-
-        if load_optim_state is None and layout.parse_step(storage.name(path)) == 0:
-            log.info("'%s' is a step-0 (seed) checkpoint: loading model weights only", path)
-            load_optim_state = False
-        from trainckpt.format.dcp_metadata import (
-            read_dcp_metadata,  # imported on first use: slow to import
-        )
-
-        md_rel = (
-            layout.DCP_METADATA_FILE
-            if folder == path
-            else f"{storage.name(folder)}/{layout.DCP_METADATA_FILE}"
-        )
-        metadata = read_dcp_metadata(  # refuses unsafe or misplaced metadata, direct API too
-            storage, folder, check=lambda data, at: check_loaded_file(manifest, md_rel, data, at)
-        )
-        if loads_directly(train_module):
-            if reset_optimizer_states_on_load is None and trainer_state is not None:
-                reset_optimizer_states_on_load = getattr(
-                    train_module, "reset_optimizer_states_on_resume", None
-                )
-            trainer_state = _exclude({}, trainer_state, exclude, path)
-            load_direct(
-                train_module,
-                folder,
-                group=self.process_group,
-                pre_download=self.pre_download and not isinstance(storage, LocalStorage),
-                work_dir=self.work_dir,
-                thread_count=self.load_thread_count or _default_threads(),
-                load_optim_state=load_optim_state,
-                reset_optimizer_states_on_load=reset_optimizer_states_on_load,
-            )
-        else:
-            if reset_optimizer_states_on_load:
-                log.warning(
-                    "reset_optimizer_states_on_load=True has no effect on %s (only train "
-                    "modules with load_state_dict_direct reset optimizer state, as in OLMo-core)",
-                    type(train_module).__name__,
-                )
-            trainer_state = self._load_module_state(
-                storage, path, metadata, train_module, trainer_state, load_optim_state, exclude
-            )
-        log.info("loaded checkpoint '%s' in %.2fs", path, time.perf_counter() - start)
-        return trainer_state
-
-    def _load_module_state(
-        self,
-        storage: Storage,
-        path: str,
-        metadata: Any,
-        train_module: TrainModule,
-        trainer_state: dict[str, Any] | None,
-        load_optim_state: bool | None,
-        exclude: Sequence[str],
-    ) -> dict[str, Any] | None:
-        """Load the checkpoint's DCP folder into the module's state dict and apply it; return
-        the trainer state without the `exclude`d keys. Called on: all ranks."""
-        from trainckpt.core.dcp import load_state
-
-        folder = save_folder.dcp_folder(storage, path)
-        state = train_module.state_dict_to_load(metadata, optim=load_optim_state)
-        trainer_state = _exclude(state, trainer_state, exclude, path)
-        load_state(
-            state,
-            storage,
-            folder,
-            metadata,
+        req = LoadRequest(
+            storage=storage,
+            dir=path,
             group=self.process_group,
-            download_to=self.work_dir / "download-cache" if self.pre_download else None,
+            verify=self.verify_on_load,
+            work_dir=self.work_dir,
+            pre_download=self.pre_download,
             thread_count=self.load_thread_count or _default_threads(),
-            check_items=self.verify_on_load != "none",
         )
-        train_module.load_state_dict(state)
-        return trainer_state
-
-    def _load_trainer_state(
-        self, storage: Storage, path: str, manifest: CheckpointManifest | None, *, required: bool
-    ) -> dict | None:
-        """This rank's trainer state; rank 0's when the checkpoint was saved by another number
-        of ranks (per-rank state such as data positions does not carry over rank by rank)."""
-        rank, world = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
-        own = storage.join(path, layout.trainer_state_file(rank))
-        rank0 = storage.join(path, layout.trainer_state_file(0))
-        saved_world = save_folder.saved_world_size(storage, path)
-        candidates = [(own, rank), (rank0, 0)]
-        if saved_world is not None and saved_world != world:
-            candidates = [(rank0, 0)]
-            log.warning(
-                "'%s' was saved by %d ranks and is loaded by %d: every rank gets rank 0's "
-                "trainer state '%s'",
-                path,
-                saved_world,
-                world,
-                rank0,
-            )
-        for candidate, of_rank in candidates:
-            try:
-                data = storage.read_bytes(candidate)
-            except FileNotFoundError:
-                continue
-            check_loaded_file(manifest, layout.trainer_state_file(of_rank), data, candidate)
-            if candidate != own and saved_world is None:
-                log.warning(
-                    "'%s' not found (the checkpoint was saved with another world size); "
-                    "using rank 0's trainer state '%s'",
-                    own,
-                    rank0,
-                )
-            return deserialize_trainer_state(data, candidate)
-        if required:
-            raise CheckpointNotFoundError(
-                f"no trainer state in '{path}' (looked for '{own}' and '{rank0}'); pass "
-                "load_trainer_state=False to load model and optimizer state only"
-            )
-        return None
+        return load_checkpoint(
+            req,
+            train_module,
+            load_trainer_state=load_trainer_state,
+            load_optim_state=load_optim_state,
+            reset_optimizer_states_on_load=reset_optimizer_states_on_load,
+            exclude=exclude,
+        )
 
     # -- the node-local tier (DESIGN §9, README "Local checkpoints and replication") -----------
     def save_local(
@@ -720,23 +606,3 @@ class Checkpointer:
     def read_metadata(cls, dir: str | os.PathLike) -> CheckpointMetadata:
         """The commit record of a checkpoint."""
         return save_folder.read_metadata(*resolve(dir))
-
-
-def _exclude(
-    state: dict[str, Any], trainer_state: dict[str, Any] | None, names: Sequence[str], path: str
-) -> dict[str, Any] | None:
-    """Drop the `names` from the state to load (in place) and from the trainer state."""
-    if not names:
-        return trainer_state
-    known = set(state) | set(trainer_state or {})
-    unknown = sorted(set(names) - known)
-    if unknown:
-        raise ConfigurationError(
-            f"exclude names {unknown}, which loading '{path}' does not have; "
-            f"known top-level keys: {sorted(known)}"
-        )
-    for name in names:
-        state.pop(name, None)
-    if trainer_state is None:
-        return None
-    return {k: v for k, v in trainer_state.items() if k not in names}

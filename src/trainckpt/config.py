@@ -6,19 +6,18 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trainckpt.core import dist
 from trainckpt.core.claim import DEFAULT_LEASE, MAX_LEASE
+from trainckpt.core.load import VerifyOnLoad
 from trainckpt.errors import ConfigurationError, settings_error
 
 if TYPE_CHECKING:
     from trainckpt.checkpointer import Checkpointer
-
-VerifyOnLoad = Literal["none", "size", "full"]
 
 
 def default_work_dir() -> Path:

@@ -1,14 +1,16 @@
 """Checkpointer on gs:// against a real fake-gcs-server, what only GCS does (what every back end
 does alike: `contract/test_checkpointer_contract.py`): pre-download through cached-path, the
-manifest's CRC32C against the one GCS computed, and uploads that start while files are written."""
+manifest's CRC32C against the one GCS computed, uploads that start while files are written, and
+one manifest download per load (counted at a proxy)."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
+import pytest
 from google.cloud import storage as gcs
 from support.models import assert_same_state, fresh_module, make_module
+from support.servers import FakeGCS, fault_proxy
 
 from trainckpt import (
     Checkpointer,
@@ -84,3 +86,25 @@ def test_files_upload_while_the_rest_are_still_written(tmp_path, gcs_bucket):
     assert save_checkpoint(req, TwoFiles()) == target
     assert first_seen_before_second_written == [True]
     assert Checkpointer.latest_checkpoint(f"{gcs_bucket}/run") == target
+
+
+@pytest.mark.parametrize("level", ["size", "full", "none"])
+def test_a_load_reads_the_manifest_once(tmp_path, gcs_server: FakeGCS, gcs_bucket, level):
+    """The manifest is read once per load, by rank 0, for both the check of the files and the
+    saved world size (counted at a real HTTP proxy in front of fake-gcs-server)."""
+    c = CheckpointerConfig(work_dir=tmp_path / "work", verify_on_load=level).build()
+    try:
+        src = make_module(steps=2)
+        path = c.save(f"{gcs_bucket}/run/step2", src, {"step": 2})
+        with fault_proxy(gcs_server) as proxy:
+            dst = fresh_module()
+            loaded = c.load(path, dst)
+            assert proxy.downloads(".manifest.json") == 1, [
+                r for r in proxy.log if "manifest" in r[1]
+            ]
+            # the proxy saw the load: its trainer state and shards came through it
+            assert proxy.count("GET", "rank0.pt") >= 1
+    finally:
+        c.close()
+    assert loaded == {"step": 2}
+    assert_same_state(src, dst)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from support.multiproc import run_ranks
+from support.servers import FakeGCS, fault_proxy
 
 pytestmark = pytest.mark.slow
 
@@ -68,3 +69,43 @@ def test_two_ranks_on_one_node_upload_in_turns(gcs_bucket: str, tmp_path: Path) 
     files = storage.list_files(step1)
     assert {"train/rank0.pt", "train/rank1.pt", ".manifest.json", ".metadata.json"} <= set(files)
     assert Checkpointer.verify(step1, deep=True).ok
+
+
+def _save_then_load_through(
+    rank: int, world: int, url: str, work: str, server_url: str, proxy_url: str
+) -> dict:
+    """Save with both ranks straight to fake-gcs-server, then load through the proxy."""
+    import os
+
+    os.environ["STORAGE_EMULATOR_HOST"] = server_url
+    from support.models import fresh_module, make_module
+
+    from trainckpt import CheckpointerConfig
+    from trainckpt.core import dist
+
+    ckpt = CheckpointerConfig(work_dir=f"{work}/rank{rank}").build()
+    path = ckpt.save(f"{url}/step1", make_module(seed=3), {"rank": rank})
+    dist.barrier(ckpt.process_group)
+    os.environ["STORAGE_EMULATOR_HOST"] = proxy_url  # the load goes through the proxy
+    trainer = ckpt.load(path, fresh_module())
+    ckpt.close()
+    return {"trainer_rank": trainer["rank"]}
+
+
+def test_a_two_rank_load_reads_the_manifest_once(
+    gcs_server: FakeGCS, gcs_bucket: str, tmp_path: Path
+) -> None:
+    """One manifest read per job, not per rank: rank 0 reads it, the others get its copy."""
+    with fault_proxy(gcs_server) as proxy:
+        results = run_ranks(
+            _save_then_load_through,
+            2,
+            f"{gcs_bucket}/run",
+            str(tmp_path),
+            gcs_server.url,
+            proxy.url,
+            timeout=240,
+        )
+        assert [r["trainer_rank"] for r in results] == [0, 1]  # each rank's own state
+        assert proxy.downloads(".manifest.json") == 1, [r for r in proxy.log if "manifest" in r[1]]
+        assert proxy.count("GET", "rank1.pt") >= 1  # the ranks did load through the proxy

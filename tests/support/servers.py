@@ -337,6 +337,13 @@ class GCSFaultProxy(http.server.ThreadingHTTPServer):
         with self._lock:
             return sum(1 for m, p, _ in self.log if m == method and path_part in p)
 
+    def downloads(self, name_part: str) -> int:
+        """Object downloads (GET ...?alt=media) relayed whose path contains `name_part`."""
+        with self._lock:
+            return sum(
+                1 for m, p, _ in self.log if m == "GET" and "alt=media" in p and name_part in p
+            )
+
 
 @contextlib.contextmanager
 def fault_proxy(gcs_server: FakeGCS) -> Iterator[GCSFaultProxy]:

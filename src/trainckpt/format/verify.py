@@ -3,7 +3,7 @@
 `verify_checkpoint` compares one listing of the folder with the manifest: missing, resized and
 unexpected files, manifest entries that escape the folder (reported, never opened) and, when
 `deep`, the CRC32C of every byte. A checkpoint without a manifest (written by OLMo-core) or a bare
-DCP folder is valid but unverifiable. `check_before_load` is the collective form `load` uses.
+DCP folder is valid but unverifiable. `core/load.py` runs the check before a load, on rank 0.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 import google_crc32c
 
-from trainckpt.core import dist
 from trainckpt.errors import CorruptCheckpointError
 from trainckpt.format.folder import is_committed, require_folder, step_folders
 from trainckpt.format.layout import (
@@ -269,40 +268,3 @@ def check_loaded_file(
             "copied in from another checkpoint or damaged); load an older checkpoint "
             "(Checkpointer.find_latest_good) or restore this one from a copy"
         )
-
-
-def check_before_load(
-    storage: Storage, path: str, level: str, group: dist.ProcessGroup | None
-) -> CheckpointManifest | None:
-    """Refuse to load a checkpoint whose files do not match its manifest; return the manifest
-    (None at level `none`, or when there is none) for the checks made while loading.
-
-    `size`: rank 0 compares one listing with the manifest and tells every rank the outcome.
-    `full`: after that, every rank recomputes the CRC32C of its share of the files and all
-    ranks agree on the result. Raises `CorruptCheckpointError` on every rank, naming the files.
-    Called on: all ranks.
-    """
-    if level == "none":
-        return None
-    report = dist.run_on_rank0(
-        lambda: verify_checkpoint(storage, path), f"checking '{path}' before loading", group
-    )
-    report.raise_if_bad()
-    if report.unverifiable:
-        log.info("'%s' has no %s; loading it without checking its files", path, MANIFEST_FILE)
-        return None
-    if level != "full":
-        return report.manifest
-    assert report.manifest is not None  # a readable manifest, or the report had a problem
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    mine = sorted(report.manifest.files.items())[rank::world]
-    problems: list[str] = []
-    error: Exception | None = None
-    try:
-        problems = check_crcs(storage, path, mine)
-    except Exception as e:  # shared below, so no rank waits for one that gave up
-        error = e
-    dist.agree(error, f"checking the CRC32C of the files of '{path}'", group)
-    everyone = [p for part in dist.all_gather_object(problems, group) for p in part]
-    VerifyReport(path=path, deep=True, problems=sorted(everyone)).raise_if_bad()
-    return report.manifest
