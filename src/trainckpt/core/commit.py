@@ -166,7 +166,9 @@ def _write_and_rename(req: SaveRequest, files: RankFiles, tmp: str, token: str) 
         group,
     )
 
-    # 3. Every rank writes its files into `-tmp`, each fsynced. A failure on any rank stops all.
+    # 3. Every rank writes its files into `-tmp`, each fsynced (`rank_write.py`: its trainer
+    #    state, an agreement that every rank wrote it, fault point `writing-shards`, its DCP
+    #    shards). A failure on any rank stops all.
     entries, error = _run_write(files, WriteTarget(storage.local_path(tmp), durable=True))
     fault_point("after-shards")
     dist.agree(error, f"writing checkpoint files into '{tmp}'", group)
@@ -306,8 +308,9 @@ def _write_and_upload(req: SaveRequest, files: RankFiles) -> dict[str, FileEntry
     with writing(staging):  # work_dir full, read-only or not ours: a StorageError naming it
         staging.mkdir(parents=True)
     try:
-        # Not fsynced: the uploaded objects are the copies that must last. Unless uploads go in
-        # turns (`throttle_uploads`), each file is uploaded as soon as it is written.
+        # 2. Every rank writes its files into the staging folder (`rank_write.py`), not
+        #    fsynced: the uploaded objects are the copies that must last. Unless uploads go in
+        #    turns (`throttle_uploads`), each file is uploaded as soon as it is written.
         early = (
             None
             if req.throttle_uploads
