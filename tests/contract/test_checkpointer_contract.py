@@ -1,5 +1,6 @@
-"""One contract for `Checkpointer` on every back end it saves to: a local folder, gs:// (a real
-fake-gcs-server) and s3:// (moto) on 127.0.0.1. Each test runs once per back end.
+"""One contract for `Checkpointer` on every back end: a local folder, gs:// (a real
+fake-gcs-server) and s3:// (moto) on 127.0.0.1, and for reading, http:// (a real static server
+publishing a local folder). Each test runs once per back end.
 
 What was saved is read back with each back end's own client (files, the GCS SDK, boto3), not
 with trainckpt's, so a test sees what the back end really holds. Adding a back end is one entry
@@ -35,21 +36,32 @@ RECORDS = (".manifest.json", ".metadata.json")
 class Place:
     """An empty folder on one back end, and that back end's own reader and writer."""
 
-    root: str
+    root: str  # where checkpoints are saved
     objects: Callable[[str], dict[str, bytes]]  # every file under a folder, by relative name
     put: Callable[[str], Callable[[bytes], None]]  # put(file)(data) replaces the file's bytes
+    url: str = ""  # where what is saved under `root` is read (http://), when not at `root`
+
+    def read(self, path: str) -> str:
+        """Where the checkpoint saved at `path` is read."""
+        return self.url + path.removeprefix(self.root) if self.url else path
+
+
+def _files(folder: str) -> dict[str, bytes]:
+    base = Path(folder)
+    files = base.rglob("*") if base.is_dir() else []
+    return {p.relative_to(base).as_posix(): p.read_bytes() for p in files if p.is_file()}
 
 
 def _local(request: pytest.FixtureRequest) -> Place:
     root = request.getfixturevalue("tmp_path") / "root"
     root.mkdir()
+    return Place(str(root), _files, lambda path: Path(path).write_bytes)
 
-    def objects(folder: str) -> dict[str, bytes]:
-        base = Path(folder)
-        files = base.rglob("*") if base.is_dir() else []
-        return {p.relative_to(base).as_posix(): p.read_bytes() for p in files if p.is_file()}
 
-    return Place(str(root), objects, lambda path: Path(path).write_bytes)
+def _http(request: pytest.FixtureRequest) -> Place:
+    """Saved to a local folder that the HTTP server publishes; read over http://."""
+    folder, url = request.getfixturevalue("http_folder")
+    return Place(str(folder), _files, lambda path: Path(path).write_bytes, url=url)
 
 
 def _gcs(request: pytest.FixtureRequest) -> Place:
@@ -86,11 +98,20 @@ PLACES: dict[str, Callable[[pytest.FixtureRequest], Place]] = {
     "local": _local,
     "gcs": _gcs,
     "s3": _s3,
+    "http": _http,  # read-only: listed and written through its local folder
 }
+WRITABLE = ["local", "gcs", "s3"]
+
+
+@pytest.fixture(params=WRITABLE)
+def place(request: pytest.FixtureRequest) -> Place:
+    """A back end that is saved to, listed and read at the same location."""
+    return PLACES[request.param](request)
 
 
 @pytest.fixture(params=list(PLACES))
-def place(request: pytest.FixtureRequest) -> Place:
+def readable(request: pytest.FixtureRequest) -> Place:
+    """Every back end, http:// included: tests that save, then only read the checkpoint."""
     return PLACES[request.param](request)
 
 
@@ -100,16 +121,18 @@ def _steps_in(place: Place, folder: str) -> set[str]:
 
 
 def test_round_trip_with_manifest_commit_record_and_verify(
-    ckpt: Checkpointer, place: Place
+    ckpt: Checkpointer, readable: Place
 ) -> None:
+    place = readable
     src = make_module(steps=3)
     state = {"step": 3, "rng": torch.get_rng_state(), "data": {"epoch": 1, "offset": [4, 5]}}
     path = ckpt.save(f"{place.root}/run/step3/", src, state)
     assert path == f"{place.root}/run/step3"
-    assert Checkpointer.dir_is_checkpoint(path)
     assert _steps_in(place, f"{place.root}/run") == {"step3"}, "no leftover beside it"
-
     objects = place.objects(path)
+    path = place.read(path)
+    assert Checkpointer.dir_is_checkpoint(path)
+
     manifest = CheckpointManifest.from_json(objects[".manifest.json"], "manifest")
     files = {name: data for name, data in objects.items() if name not in RECORDS}
     assert set(manifest.files) == set(files)
@@ -222,26 +245,33 @@ def test_committed_step_refused_then_replaced_with_save_overwrite(
 
 
 def test_missing_checkpoint_raises_file_not_found_naming_it(
-    ckpt: Checkpointer, place: Place
+    ckpt: Checkpointer, readable: Place
 ) -> None:
-    missing = f"{place.root}/nothing/step5"
+    missing = readable.read(f"{readable.root}/nothing/step5")
     with pytest.raises(FileNotFoundError, match="nothing/step5"):
         ckpt.load(missing, fresh_module())
     with pytest.raises(CheckpointNotFoundError, match="nothing/step5"):
         Checkpointer.read_metadata(missing)
-    with pytest.raises(FileNotFoundError, match="nothing"):
-        Checkpointer.latest_checkpoint(f"{place.root}/nothing")
-    assert not Checkpointer.contains_checkpoint(f"{place.root}/nothing")
     assert not Checkpointer.dir_is_checkpoint(missing)
 
 
-def test_deep_verify_finds_a_flipped_byte_that_sizes_miss(ckpt: Checkpointer, place: Place) -> None:
+def test_folder_without_checkpoints_raises_file_not_found_naming_it(place: Place) -> None:
+    with pytest.raises(FileNotFoundError, match="nothing"):
+        Checkpointer.latest_checkpoint(f"{place.root}/nothing")
+    assert not Checkpointer.contains_checkpoint(f"{place.root}/nothing")
+
+
+def test_deep_verify_finds_a_flipped_byte_that_sizes_miss(
+    ckpt: Checkpointer, readable: Place
+) -> None:
+    place = readable
     path = ckpt.save(f"{place.root}/step1", make_module(), {"step": 1})
     shard = "model_and_optim/__0_0.distcp"
     data = bytearray(place.objects(path)[shard])
     data[len(data) // 2] ^= 0xFF  # one flipped byte, same size: bit rot
     place.put(f"{path}/{shard}")(bytes(data))
 
+    path = place.read(path)
     assert Checkpointer.verify(path).ok  # sizes only
     report = Checkpointer.verify(path, deep=True)
     assert not report.ok

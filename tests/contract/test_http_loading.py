@@ -1,4 +1,6 @@
-"""Loading published checkpoints over http:// from a real local server (ETag, Range, HEAD)."""
+"""Loading published checkpoints over http:// from a real local server (ETag, Range, HEAD): what
+only HTTP does (the round trip, deep verify and a missing checkpoint over http:// are in
+`contract/test_checkpointer_contract.py`)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ import pytest
 from support.models import assert_same_state, fresh_module, make_module
 
 from trainckpt import Checkpointer, CheckpointerConfig, ConfigurationError
-from trainckpt.errors import CheckpointNotFoundError
 from trainckpt.storage import resolve
 
 
@@ -46,12 +47,6 @@ def test_load_over_http_reads_byte_ranges(published, ckpt, http_server):
     assert not (ckpt.work_dir / "download-cache").exists(), "no download without pre_download"
 
 
-def test_verify_over_http(published):
-    _, url = published
-    report = Checkpointer.verify(url, deep=True)
-    assert report.ok, report.problems
-
-
 def test_pre_download_caches_by_etag_and_notices_a_changed_file(published, http_folder, tmp_path):
     src, url = published
     c = CheckpointerConfig(work_dir=tmp_path / "work", pre_download=True).build()
@@ -75,14 +70,10 @@ def test_pre_download_caches_by_etag_and_notices_a_changed_file(published, http_
         c.close()
 
 
-def test_missing_url_is_file_not_found_naming_it(ckpt, http_folder):
+def test_a_missing_files_local_copy_is_file_not_found_naming_it(ckpt, http_folder):
+    """(`contract/test_checkpointer_contract.py` loads a missing checkpoint over http://.)"""
     _, url = http_folder
     missing = f"{url}/step404"
-    with pytest.raises(FileNotFoundError, match="step404"):
-        ckpt.load(missing, fresh_module())
-    with pytest.raises(CheckpointNotFoundError, match="step404"):
-        Checkpointer.read_metadata(missing)
-    assert not Checkpointer.dir_is_checkpoint(missing)
     storage, loc = resolve(f"{missing}/model_and_optim/.metadata")
     with pytest.raises(FileNotFoundError, match="step404"):
         storage.local_copy(loc, Path(ckpt.work_dir) / "cache")

@@ -52,13 +52,19 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, 
     yield config, tmp / "ckpts" / f"step{STEPS}"
 
 
+def _past_step10(config: Path, folder: Path) -> Run:
+    """A run of the example, saving to `folder`, that has committed its ephemeral step 10."""
+    run = Run(str(config), "--save-folder", str(folder), "--steps", str(STEPS))
+    run.wait_for(r"checkpoint event: committed ephemeral '.*step10'")
+    return run
+
+
 def test_sigkill_mid_run_then_resume_is_bit_identical(
     reference: tuple[Path, Path], tmp_path: Path
 ) -> None:
     config, ref_final = reference
     folder = tmp_path / "ckpts"
-    run = Run(str(config), "--save-folder", str(folder), "--steps", str(STEPS))
-    run.wait_for(r"checkpoint event: committed ephemeral '.*step10'")
+    run = _past_step10(config, folder)
     run.proc.send_signal(signal.SIGKILL)
     assert run.finish() == -signal.SIGKILL
     assert f"step {STEPS} loss" not in run.output, "the run ended before it was killed"
@@ -78,8 +84,7 @@ def test_sigterm_saves_synchronously_then_resume_is_bit_identical(
 ) -> None:
     config, ref_final = reference
     folder = tmp_path / "ckpts"
-    run = Run(str(config), "--save-folder", str(folder), "--steps", str(STEPS))
-    run.wait_for(r"checkpoint event: committed ephemeral '.*step10'")
+    run = _past_step10(config, folder)
     run.proc.send_signal(signal.SIGTERM)
     assert run.finish() == 128 + signal.SIGTERM, run.output
     m = re.search(r"SIGTERM: saved checkpoint '(.*step(\d+))' at step (\d+)", run.output)
