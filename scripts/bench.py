@@ -12,7 +12,8 @@ model and optimizer are zeroed before it and must match the saved state after it
     python scripts/bench.py --training-only --train-size-mb 600 --repeats 5
 
 The GCS part runs against fake-gcs-server on 127.0.0.1 (`scripts/bench_gcs.py`); the last part
-trains a small model while each contender saves in the background (`scripts/bench_train.py`).
+trains a small model while each contender saves in the background (`scripts/bench_train.py`);
+the node-local tier part runs 2 ranks with their own local folders (`scripts/bench_local.py`).
 """
 
 from __future__ import annotations
@@ -456,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-gcs", action="store_true", help="skip the fake-gcs-server part")
     p.add_argument("--gcs-size-mb", type=float, default=200.0)
     p.add_argument("--gcs-checkpoints", type=int, default=200)
+    p.add_argument("--no-local", action="store_true", help="skip the node-local tier part")
+    p.add_argument("--local-size-mb", type=float, default=200.0, help="local tier: state per rank")
     p.add_argument("--no-training", action="store_true", help="skip the training-loop part")
     p.add_argument("--training-only", action="store_true", help="run only the training-loop part")
     p.add_argument("--train-size-mb", type=float, default=600.0, help="state saved while training")
@@ -556,6 +559,11 @@ def _bench(args: argparse.Namespace, root: Path, report: dict[str, Any]) -> None
         from bench_gcs import bench_gcs
 
         report["gcs"] = bench_gcs(args.gcs_size_mb, args.gcs_checkpoints, args.repeats, root)
+
+    if not args.no_local:
+        from bench_local import bench_local
+
+        report["local"] = bench_local(args.local_size_mb, args.repeats, root)
 
 
 if __name__ == "__main__":

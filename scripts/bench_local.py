@@ -10,6 +10,8 @@ only the copy to CPU memory; replication costs no more than 1.3x writing the ext
 locally, i.e. (committed with - without) <= 1.3 x raw write of one part.
 
     python scripts/bench_local.py --size-mb 64 --repeats 3 [--json out.json]
+
+`scripts/bench.py` runs it as its local-tier part (`--local-size-mb`, `--no-local`).
 """
 
 from __future__ import annotations
@@ -104,6 +106,30 @@ def _rank(rank: int, port: int, root: str, size_mb: float, repeats: int, out: st
     dist.destroy_process_group()
 
 
+def bench_local(size_mb: float, repeats: int, root: Path) -> dict[str, Any]:
+    """Run the rows on 2 spawned ranks under `root`; print them and return the report."""
+    work = Path(tempfile.mkdtemp(prefix="bench-local-", dir=root))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = work / "result.json"
+    try:
+        mp.spawn(_rank, args=(port, str(work), size_mb, repeats, str(out)), nprocs=WORLD, join=True)
+        report: dict[str, Any] = json.loads(out.read_text())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    rows = {name: statistics.median(xs) for name, xs in report["rows"].items()}
+    mb = report["bytes_per_rank"] / 1e6
+    print(f"\nnode-local tier, 2 ranks on one machine, {mb:.0f} MB of state per rank (rank 0):")
+    for name, seconds in rows.items():
+        print(f"  local {name:<48} {seconds:7.3f} s  ({mb / seconds:7.0f} MB/s)")
+    extra = rows["save_local committed (rf=2)"] - rows["save_local committed (rf=1)"]
+    ratio = extra / rows["raw write + fsync of one part"]
+    print(f"target local replication: cost / raw write of the extra bytes {ratio:.2f} (<= 1.3)")
+    report["medians"], report["replication_ratio"] = rows, ratio
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size-mb", type=float, default=64.0, help="state per rank")
@@ -111,30 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    root = Path(tempfile.mkdtemp(prefix="bench-local-", dir=args.dir))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = root / "result.json"
-    try:
-        mp.spawn(
-            _rank,
-            args=(port, str(root), args.size_mb, args.repeats, str(out)),
-            nprocs=WORLD,
-            join=True,
-        )
-        report: dict[str, Any] = json.loads(out.read_text())
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    rows = {name: statistics.median(xs) for name, xs in report["rows"].items()}
-    mb = report["bytes_per_rank"] / 1e6
-    print(f"node-local tier, 2 ranks on one machine, {mb:.0f} MB of state per rank (rank 0):")
-    for name, seconds in rows.items():
-        print(f"  {name:<48} {seconds:7.3f} s  ({mb / seconds:7.0f} MB/s)")
-    extra = rows["save_local committed (rf=2)"] - rows["save_local committed (rf=1)"]
-    ratio = extra / rows["raw write + fsync of one part"]
-    print(f"  replication cost / raw write of the extra bytes: {ratio:.2f} (target <= 1.3)")
-    report["medians"], report["replication_ratio"] = rows, ratio
+    report = bench_local(args.size_mb, args.repeats, args.dir or Path(tempfile.gettempdir()))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return 0

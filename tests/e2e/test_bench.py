@@ -18,7 +18,7 @@ def test_bench_runs_and_prints_its_table(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     args = ["--size-mb", "8", "--repeats", "1", "--import-repeats", "1"]
     args += ["--gcs-size-mb", "4", "--gcs-checkpoints", "5", "--dir", str(tmp_path)]
-    args += ["--train-size-mb", "4", "--json", str(out)]
+    args += ["--train-size-mb", "4", "--local-size-mb", "4", "--json", str(out)]
     run = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench.py"), *args],
         capture_output=True,
@@ -44,6 +44,10 @@ def test_bench_runs_and_prints_its_table(tmp_path: Path) -> None:
         "DCP async_save (process)",
         "OLMo-core save_async",
         "target trainckpt save_async: training lost / floor's",
+        "local save_local blocked (rf=2)",
+        "local save_local committed (rf=2)",
+        "local load_local from the peer (rank 0's disk wiped)",
+        "target local replication",
     ):
         assert row in run.stdout, row
     report = json.loads(out.read_text())
@@ -51,6 +55,7 @@ def test_bench_runs_and_prints_its_table(tmp_path: Path) -> None:
     for name, r in report["results"].items():
         assert 0 < r["min"] <= r["median"] <= r["max"], name
     assert report["gcs"]["latest_checkpoint"]["trainckpt"]["requests"] >= 1
+    assert all(s > 0 for s in report["local"]["medians"].values())
     training = report["training"]["results"]
     assert len(training) == 6  # the floor, two trainckpt modes, DCP thread and process, OLMo-core
     for name, r in training.items():
