@@ -51,10 +51,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture
-def ckpt(tmp_path: Path) -> Iterator[Checkpointer]:
-    """A Checkpointer with default settings and its work_dir under the test's folder (files that
-    need other settings override this fixture)."""
-    c = CheckpointerConfig(work_dir=tmp_path / "work").build()
+def ckpt(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Checkpointer]:
+    """A Checkpointer with its work_dir under the test's folder, default settings but those of
+    the nearest `@pytest.mark.ckpt(setting=value, ...)` (on the test, or a file's `pytestmark`)."""
+    marker = request.node.get_closest_marker("ckpt")
+    c = CheckpointerConfig(work_dir=tmp_path / "work", **(marker.kwargs if marker else {})).build()
     yield c
     c.close()
 

@@ -12,6 +12,8 @@ from support.models import assert_same_state, fresh_module, make_module
 from trainckpt import Checkpointer, CheckpointerConfig, ConfigurationError
 from trainckpt.storage import resolve
 
+pytestmark = pytest.mark.ckpt(retry_deadline=10)
+
 
 @pytest.fixture
 def published(http_folder: tuple[Path, str], tmp_path: Path):
@@ -22,13 +24,6 @@ def published(http_folder: tuple[Path, str], tmp_path: Path):
     c.save(folder / "step3", module, {"step": 3, "note": "published"})
     c.close()
     return module, f"{url}/step3"
-
-
-@pytest.fixture
-def ckpt(tmp_path: Path):
-    c = CheckpointerConfig(work_dir=tmp_path / "work", retry_deadline=10).build()
-    yield c
-    c.close()
 
 
 def test_load_over_http_reads_byte_ranges(published, ckpt, http_server):

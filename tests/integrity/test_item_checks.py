@@ -13,7 +13,10 @@ from support.damage import flip_byte, split_item_record
 
 from trainckpt import Checkpointer, CheckpointerConfig, CorruptCheckpointError, ModelAndOptim
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+    pytest.mark.ckpt(save_thread_count=2),
+]
 
 
 def _module(seed: int) -> ModelAndOptim:
@@ -26,13 +29,6 @@ def _module(seed: int) -> ModelAndOptim:
 def _same(a: ModelAndOptim, b: ModelAndOptim) -> bool:
     sa, sb = a.model.state_dict(), b.model.state_dict()
     return all(torch.equal(sa[k], sb[k]) for k in sa)
-
-
-@pytest.fixture
-def ckpt(tmp_path: Path):
-    c = CheckpointerConfig(work_dir=tmp_path / "work", save_thread_count=2).build()
-    yield c
-    c.close()
 
 
 @pytest.fixture
