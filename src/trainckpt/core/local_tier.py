@@ -470,9 +470,10 @@ class _PartReader:
         self._file: Any = None
         self._left = 0
 
-    def read(self, n: int) -> bytes:
-        out = bytearray()
-        while len(out) < n:
+    def readinto(self, buf: memoryview) -> int:
+        """Fill `buf` from the files, straight from the kernel (no copy in between)."""
+        done = 0
+        while done < len(buf):
             if self._left == 0:
                 if self._file is not None:
                     self._file.close()
@@ -480,14 +481,14 @@ class _PartReader:
                 if not self._plan:
                     break
                 path, self._left = self._plan.pop(0)
-                self._file = self._stack.enter_context(open(path, "rb"))
+                self._file = self._stack.enter_context(open(path, "rb", buffering=0))
                 continue
-            chunk = self._file.read(min(n - len(out), self._left))
-            if not chunk:
+            got = self._file.readinto(buf[done : done + min(len(buf) - done, self._left)])
+            if not got:
                 raise CorruptCheckpointError(f"'{self._file.name}' is shorter than its record")
-            out += chunk
-            self._left -= len(chunk)
-        return bytes(out)
+            done += got
+            self._left -= got
+        return done
 
     def close(self) -> None:
         self._stack.close()

@@ -40,7 +40,9 @@ class Transfer:
 
 
 class Source(Protocol):
-    def read(self, n: int) -> bytes: ...
+    def readinto(self, buf: memoryview) -> int:
+        """Fill `buf` (fewer bytes only at the end of the stream); return the count."""
+        ...
 
     def close(self) -> None: ...
 
@@ -121,10 +123,11 @@ def _read_chunk(
     src = sources[i]
     if src is not None:
         try:
-            data = src.read(n)
-            if len(data) != n:
-                raise EOFError(f"expected {n} more bytes, the file ended after {len(data)}")
-            return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            buf = torch.empty(n, dtype=torch.uint8)
+            got = src.readinto(memoryview(buf.numpy().data))
+            if got != n:
+                raise EOFError(f"expected {n} more bytes, the file ended after {got}")
+            return buf
         except Exception as e:
             errors[i] = e
             sources[i] = None
