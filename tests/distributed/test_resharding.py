@@ -142,3 +142,27 @@ def test_replicated_state_is_written_once_without_empty_files(tmp_path: Path):
     # Two replicas, one copy on disk: the same bytes as the single-process checkpoint (give or
     # take per-file framing), where writing every replica would double them.
     assert abs(sum(ddp) - sum(one)) < 0.1 * sum(one), (ddp, one)
+
+
+def _save_and_load_local(rank: int, world: int, folder: str) -> dict:
+    """FSDP2 state through the node-local tier: each rank's DTensor shards are saved as local
+    tensors and copied back into a differently initialized FSDP2 module's DTensors."""
+    from trainckpt import CheckpointerConfig
+
+    module = _module(True, seed=0)
+    _train(module, STEPS)
+    saved = _full_state(module.model, module.optim)
+    ckpt = CheckpointerConfig(local_dir=f"{folder}/local", work_dir=f"{folder}/w{rank}").build()
+    ckpt.save_local(STEPS, module, {"rank": rank}).result()
+    other = _module(True, seed=99)
+    _train(other, 1)
+    assert ckpt.latest_local() == STEPS
+    trainer = ckpt.load_local(STEPS, other)
+    ckpt.close()
+    return {"saved": saved, "loaded": _full_state(other.model, other.optim), "trainer": trainer}
+
+
+def test_fsdp2_state_round_trips_through_the_local_tier(tmp_path: Path):
+    for rank, res in enumerate(run_ranks(_save_and_load_local, 2, str(tmp_path))):
+        _assert_equal(res["saved"], res["loaded"])
+        assert res["trainer"] == {"rank": rank}
