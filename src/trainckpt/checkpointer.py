@@ -78,8 +78,9 @@ class Checkpointer:
             )
         with writing(self.work_dir):  # a raw OSError here would name no setting
             self.work_dir.mkdir(parents=True, exist_ok=True)
+        self._own_group: dist.ProcessGroup | None = None
         if self.process_group is None:
-            self.process_group = dist.new_cpu_group(self.collective_timeout)
+            self.process_group = self._own_group = dist.new_cpu_group(self.collective_timeout)
         else:
             dist.check_cpu_group(self.process_group)
         self._storage_options = StorageOptions(
@@ -307,6 +308,18 @@ class Checkpointer:
         finally:
             self._executor.shutdown(wait=True)
             self._stager.release()
+            self._release_own_group()
+
+    def _release_own_group(self) -> None:
+        """Destroy the gloo group this checkpointer created and drop every reference to it, so
+        its worker threads stop now. Left to interpreter exit, a worker thread still releasing
+        a finished collective's tensors aborts the process ("terminate called without an active
+        exception"). A group the caller passed in stays the caller's. Called on: all ranks."""
+        if self._own_group is None:
+            return
+        dist.destroy_group(self._own_group)
+        self._own_group = self.process_group = None
+        self._local = None
 
     def _finish_pending(self) -> str | None:
         with self._lock:

@@ -51,3 +51,43 @@ def test_two_ranks_sync_and_async(tmp_path: Path):
     step1 = tmp_path / "step1"
     assert (step1 / "train" / "rank0.pt").is_file() and (step1 / "train" / "rank1.pt").is_file()
     assert not list(tmp_path.glob("*-tmp"))
+
+
+def _groups_after_close(rank: int, world: int, folder: str) -> dict:
+    import torch.distributed as dist
+    from support.models import make_module
+
+    from trainckpt import CheckpointerConfig
+
+    def groups() -> int:
+        return len(dist.distributed_c10d._world.pg_map)
+
+    before = groups()
+    own = CheckpointerConfig(work_dir=f"{folder}/work{rank}").build()
+    created = groups() - before
+    own.save(f"{folder}/step1", make_module(), {"rank": rank})
+    own.close()
+    after_own = groups()
+    theirs = dist.new_group(backend="gloo")
+    passed = CheckpointerConfig(work_dir=f"{folder}/work{rank}").build(process_group=theirs)
+    passed.close()
+    return {
+        "created": created,
+        "left_after_close": after_own - before,
+        "own_dropped": own.process_group is None,
+        "passed_kept": passed.process_group is theirs
+        and theirs in dist.distributed_c10d._world.pg_map,
+    }
+
+
+def test_close_destroys_the_group_the_checkpointer_created(tmp_path: Path):
+    """`close()` destroys the gloo group the checkpointer made (its threads stop while the
+    interpreter is alive, not at exit, where they can abort the process) and keeps a group
+    the caller passed in."""
+    for result in run_ranks(_groups_after_close, 2, str(tmp_path)):
+        assert result == {
+            "created": 1,
+            "left_after_close": 0,
+            "own_dropped": True,
+            "passed_kept": True,
+        }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import shutil
@@ -39,6 +40,10 @@ def _entry(
         result = fn(rank, world_size, *args)
         Path(out, f"{rank}.pkl").write_bytes(pickle.dumps(result))
     finally:
+        # Free what `fn` left in reference cycles (a DDP module holds the default group) so
+        # every group is destroyed here, not at interpreter exit: a gloo worker thread still
+        # releasing a finished collective then aborts the process.
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -138,6 +138,16 @@ def new_cpu_group(timeout: float) -> ProcessGroup | None:
     return dist.new_group(backend="gloo", timeout=_dt.timedelta(seconds=timeout))
 
 
+def destroy_group(group: ProcessGroup) -> None:
+    """Destroy a group made by `new_cpu_group`; nothing if the job already tore down
+    `torch.distributed` (which destroyed it with every other group).
+
+    Called on: every rank of the group.
+    """
+    if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
+        dist.destroy_process_group(group)
+
+
 def check_cpu_group(group: ProcessGroup | None) -> None:
     if not has_cpu_backend(group):
         raise ConfigurationError(
