@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from trainckpt.errors import CorruptCheckpointError
 from trainckpt.format.layout import FORMAT_VERSION
-from trainckpt.format.records import read_record_bytes
+from trainckpt.format.records import parse_record, read_record_bytes
 from trainckpt.storage.checksums import FileEntry
 from trainckpt.storage.local import LocalStorage
 
@@ -114,6 +114,8 @@ class LocalCommit(BaseModel):
     parts: list[int] = Field(max_length=1 << 20)
 
 
+_COPY_IGNORED = "that copy is ignored (another copy, or an older step, is used)"
+
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -121,15 +123,7 @@ def read_local_record(path: Path, model: type[M]) -> M:
     """A `part.json` or commit marker, size-bounded and validated; `CorruptCheckpointError`
     naming the file when it is not one (`CheckpointNotFoundError` when it is missing)."""
     data = read_record_bytes(LocalStorage(), str(path), MAX_RECORD_BYTES)
-    try:
-        return model.model_validate_json(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"]) or "(root)"
-        raise CorruptCheckpointError(
-            f"'{path}' is not a valid local-tier record ({loc}: {err['msg']}); that copy is "
-            "ignored (another copy, or an older step, is used)"
-        ) from e
+    return parse_record(data, model, f"'{path}'", "local-tier record", _COPY_IGNORED)
 
 
 def write_local_record(path: Path, record: BaseModel) -> None:

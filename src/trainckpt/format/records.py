@@ -30,6 +30,8 @@ MAX_DCP_METADATA_BYTES = 1024 * 1024 * 1024
 shard of each tensor): a few hundred MB for a large FSDP job on thousands of ranks."""
 
 _DAMAGED = "the checkpoint is damaged: delete it or restore it from a copy"
+_UNTRUSTED = "cannot be trusted: delete it or restore it from a copy"
+_UNVERIFIABLE = "cannot be verified: delete it or restore it from a copy"
 
 _Record = TypeVar("_Record", bound=BaseModel)
 
@@ -53,7 +55,7 @@ class CheckpointMetadata(BaseModel):
         raw = _parse_json_object(data, where)
         if raw.get("ephemeral") is None:
             raw.pop("ephemeral", None)
-        return _validated(cls, raw, where, "commit record", "cannot be trusted")
+        return _validated(cls, raw, where, "commit record", f"the checkpoint {_UNTRUSTED}")
 
 
 class CheckpointManifest(BaseModel):
@@ -87,7 +89,7 @@ class CheckpointManifest(BaseModel):
                 f"{where} has format {raw.get('format')!r}; this trainckpt reads format "
                 f"{FORMAT_VERSION}: upgrade trainckpt or re-save the checkpoint"
             )
-        return _validated(cls, raw, where, "manifest", "cannot be verified")
+        return _validated(cls, raw, where, "manifest", f"the checkpoint {_UNVERIFIABLE}")
 
     @classmethod
     def merge(
@@ -147,44 +149,52 @@ def read_manifest(storage: RecordSource, ckpt: str) -> CheckpointManifest:
     return CheckpointManifest.from_json(data, where)
 
 
-def _parse_json_object(data: bytes, where: str) -> dict:
+def parse_record(
+    data: bytes, model: type[_Record], where: str, what: str, advice: str = _DAMAGED
+) -> _Record:
+    """`data`, read from `where`, as a `model` record (`what` names it in errors); anything
+    that is not a JSON object fitting the model (deep nesting, oversized integers, wrong types)
+    is a `CorruptCheckpointError` naming the file and ending with `advice`."""
+    return _validated(model, _parse_json_object(data, where, advice), where, what, advice)
+
+
+def _parse_json_object(data: bytes, where: str, advice: str = _DAMAGED) -> dict:
     try:
         raw = json.loads(data)
     except (ValueError, RecursionError, MemoryError) as e:
         # ValueError: not UTF-8, not JSON, or an integer of more than 4300 digits;
         # RecursionError: brackets nested deeper than the parser's recursion limit.
         if not data.strip():
-            raise CorruptCheckpointError(f"{where} is empty; {_DAMAGED}") from e
+            raise CorruptCheckpointError(f"{where} is empty; {advice}") from e
         if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)):
-            raise CorruptCheckpointError(f"{where} is not JSON ({e}); {_DAMAGED}") from e
-        raise _unparsable(where, e) from e
+            raise CorruptCheckpointError(f"{where} is not JSON ({e}); {advice}") from e
+        raise _unparsable(where, e, advice) from e
     if not isinstance(raw, dict):
         raise CorruptCheckpointError(
-            f"{where} holds {type(raw).__name__}, not a JSON object; {_DAMAGED}"
+            f"{where} holds {type(raw).__name__}, not a JSON object; {advice}"
         )
     return raw
 
 
-def _validated(model: type[_Record], raw: dict, where: str, what: str, so: str) -> _Record:
+def _validated(model: type[_Record], raw: dict, where: str, what: str, advice: str) -> _Record:
     """`raw` (parsed from the file `where`) as a `model`; what does not fit is a
-    `CorruptCheckpointError` naming the file, the field and that the checkpoint `so`."""
+    `CorruptCheckpointError` naming the file and the field, ending with `advice`."""
     try:
         return model.model_validate(raw)
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(p) for p in err["loc"])
         raise CorruptCheckpointError(
-            f"{where} is not a valid {what} ({loc + ': ' if loc else ''}{err['msg']}); "
-            f"the checkpoint {so}: delete it or restore it from a copy"
+            f"{where} is not a valid {what} ({loc + ': ' if loc else ''}{err['msg']}); {advice}"
         ) from e
     except (ValueError, RecursionError, MemoryError) as e:
-        raise _unparsable(where, e) from e
+        raise _unparsable(where, e, advice) from e
 
 
-def _unparsable(where: str, e: BaseException) -> CorruptCheckpointError:
+def _unparsable(where: str, e: BaseException, advice: str) -> CorruptCheckpointError:
     detail = " ".join(str(e).split())[:200] or "no detail"
     return CorruptCheckpointError(
-        f"{where} is not a valid record ({type(e).__name__}: {detail}); {_DAMAGED}"
+        f"{where} is not a valid record ({type(e).__name__}: {detail}); {advice}"
     )
 
 
