@@ -41,7 +41,7 @@ from bench_common import Timer, fingerprint, make_module, state_tensors, zero_st
 from bench_train import CONTENDERS as TRAIN_CONTENDERS  # noqa: E402
 from bench_train import LABELS as TRAIN_LABELS  # noqa: E402
 from bench_train import PEERS as TRAIN_PEERS  # noqa: E402
-from bench_train import bench_training  # noqa: E402
+from bench_train import TRAINCKPT_MODES, bench_training  # noqa: E402
 
 from trainckpt import Checkpointer, CheckpointerConfig, ModelAndOptim  # noqa: E402
 from trainckpt.format import item_record
@@ -379,7 +379,7 @@ def training_targets(res: dict[str, dict[str, Any]]) -> list[str]:
     }
     floor = lost.get("floor")
     peers = {k: v for k, v in lost.items() if k in TRAIN_PEERS}
-    for key in ("async", "overlap"):
+    for key in TRAINCKPT_MODES:
         if key not in lost:
             continue
         label = TRAIN_LABELS[key]

@@ -8,7 +8,8 @@ steps just before it, and the training time lost: the blocking time plus the ext
 the median step before the save) of every step that started before the commit.
 
 Contenders: the floor (a separate, already running process writing the same bytes from its own
-memory with `write` + `fsync`), trainckpt `save_async` (default and `overlap_staging=True`),
+memory with `write` + `fsync`), trainckpt `save_async` (default, `overlap_staging=True`, and
+`async_writer="process"`, with and without overlap),
 DCP `async_save` (thread and process) and OLMo-core's `save_async`. Each is warmed first (one
 untimed save: spawned processes, first buffer allocations); the order rotates every repeat.
 DCP's process mode needs `torch.distributed`: a one-rank gloo group on 127.0.0.1 is set up.
@@ -34,19 +35,36 @@ import torch
 import torch.distributed as tdist
 from bench_common import make_module, state_tensors
 
-from trainckpt import CheckpointerConfig, ModelAndOptim
+from trainckpt import Checkpointer, CheckpointerConfig, ModelAndOptim
 
 TRAIN_STATE = {"step": 1, "note": "bench"}
-CONTENDERS = ("floor", "async", "overlap", "dcp-thread", "dcp-process", "olmo")
+CONTENDERS = (
+    "floor",
+    "async",
+    "overlap",
+    "process",
+    "process-overlap",
+    "dcp-thread",
+    "dcp-process",
+    "olmo",
+)
 LABELS = {
     "floor": "floor: other process write+fsync",
     "async": "trainckpt save_async",
     "overlap": "trainckpt save_async(overlap)",
+    "process": "trainckpt save_async(process)",
+    "process-overlap": "trainckpt save_async(process,overlap)",
     "dcp-thread": "DCP async_save (thread)",
     "dcp-process": "DCP async_save (process)",
     "olmo": "OLMo-core save_async",
 }
 PEERS = ("dcp-thread", "dcp-process", "olmo")
+TRAINCKPT_MODES = {  # key: (overlap_staging, async_writer="process")
+    "async": (False, False),
+    "overlap": (True, False),
+    "process": (False, True),
+    "process-overlap": (True, True),
+}
 
 
 # -- the training loop ---------------------------------------------------------------------------
@@ -190,19 +208,30 @@ def make_contenders(
     contenders: list[Contender] = []
     notes: list[str] = []
     ckpt = CheckpointerConfig(work_dir=root / "work").build()
+    writer: Checkpointer | None = None  # async_writer="process"
     for key in keys:
         if key == "floor":
             floor = Floor(module, root)
             contenders.append(Contender(key, floor.start, floor.close, floor.pids))
-        elif key in ("async", "overlap"):
-            overlap = key == "overlap"
+        elif key in TRAINCKPT_MODES:
+            overlap, process = TRAINCKPT_MODES[key]
+            if process and writer is None:
+                writer = CheckpointerConfig(
+                    work_dir=root / "work-process", async_writer="process"
+                ).build()
+            saver = writer if process else ckpt
+            assert saver is not None
 
-            def start(folder: Path, overlap: bool = overlap) -> Save:
-                save = Save(before_optim_step=ckpt.wait_for_staging if overlap else None)
-                save.follow(ckpt.save_async(folder, module, TRAIN_STATE, overlap_staging=overlap))
+            def start(folder: Path, saver: Checkpointer = saver, overlap: bool = overlap) -> Save:
+                save = Save(before_optim_step=saver.wait_for_staging if overlap else None)
+                save.follow(saver.save_async(folder, module, TRAIN_STATE, overlap_staging=overlap))
                 return save
 
-            contenders.append(Contender(key, start, ckpt.close))
+            def writer_pid(saver: Checkpointer = saver) -> list[int]:
+                process = getattr(saver._writer, "_proc", None)  # private: for the CPU column
+                return [] if process is None else [process.pid]
+
+            contenders.append(Contender(key, start, saver.close, writer_pid))
         elif key in ("dcp-thread", "dcp-process"):
             process = key == "dcp-process"
             contenders.append(

@@ -3,6 +3,7 @@ inspection classmethods delegate to `format.folder` and `format.verify`."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -11,7 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from trainckpt.config import CheckpointerConfig
 from trainckpt.core import amend, dist, exit_guard
@@ -40,6 +41,9 @@ from trainckpt.format.verify import (
 from trainckpt.storage import StorageOptions, resolve
 from trainckpt.storage.local import writing
 from trainckpt.train_module import TrainModule
+
+if TYPE_CHECKING:  # imports DCP, which loads with the first save
+    from trainckpt.core.writer_process import WriterProcess
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +95,7 @@ class Checkpointer:
         self._pending_dir = ""
         self._staging: Future[None] | None = None
         self._stager = Stager()
+        self._writer: WriterProcess | None = None
         self._lock = threading.Lock()
         self._local = (
             None
@@ -196,9 +201,10 @@ class Checkpointer:
             if overlap_staging:
                 staged = self._stage_in_background(req, state, staging, mark)
             staged_at = time.perf_counter()
-            path = save_checkpoint(
-                req, self._training_files(req, train_module, trainer_bytes, staged)
-            )
+            files = self._training_files(req, train_module, trainer_bytes, staged)
+            if self.async_writer == "process":
+                files = dataclasses.replace(files, shard_writer=self._writer_process())
+            path = save_checkpoint(req, files)
             self._log_saved(path, start, start if overlap_staging else staged_at)
             return path
 
@@ -264,6 +270,16 @@ class Checkpointer:
         if staging is not None:
             staging.result()
 
+    def _writer_process(self) -> WriterProcess:
+        """The writer process of async saves (started with the first one that needs it).
+        Called on: all ranks (save thread)."""
+        from trainckpt.core.writer_process import WriterProcess, default_threads
+
+        if self._writer is None:
+            self._writer = WriterProcess()
+        self._writer.threads = self.save_thread_count or default_threads()
+        return self._writer
+
     def _stage_in_background(
         self, req: SaveRequest, state: dict[str, Any], done: Future[None], mark: StreamMark | None
     ) -> dict[str, Any]:
@@ -274,7 +290,7 @@ class Checkpointer:
         staged: dict[str, Any] = {}
         start = time.perf_counter()
         try:
-            staged = self._stager.stage(state, after=mark)
+            staged = self._stager.stage(state, after=mark, shared=self.async_writer == "process")
         except Exception as e:
             error = e
         if error is None:
@@ -307,6 +323,8 @@ class Checkpointer:
             self._finish_pending()
         finally:
             self._executor.shutdown(wait=True)
+            if self._writer is not None:
+                self._writer.close()
             self._stager.release()
             self._release_own_group()
 
@@ -348,8 +366,8 @@ class Checkpointer:
             trainer_bytes = serialize_trainer_state(train_state, where)
             if not saves_directly(train_module):
                 state = train_module.state_dict_to_save()
-            if stage:
-                state = self._stager.stage(state)  # complete (GPU copies too) when it returns
+            if stage:  # complete (GPU copies too) when it returns
+                state = self._stager.stage(state, shared=self.async_writer == "process")
         except Exception as e:
             error = e
         dist.agree(error, f"preparing the save of '{where}'", self.process_group)

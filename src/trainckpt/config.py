@@ -6,7 +6,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -47,6 +47,13 @@ class CheckpointerConfig(BaseModel):
     save_thread_count: int | None = Field(default=None, ge=1, le=64)
     """Threads per rank writing files, and uploading them to object stores; None picks
     min(4, CPUs) for writing and 8 for uploads (which wait on the network, not the CPU)."""
+    async_writer: Literal["thread", "process"] = "thread"
+    """Who writes the files of `save_async`: threads of the training process, or a separate
+    writer process that reads the staged state from shared memory, so the writing never
+    competes with training for the interpreter lock (README "Performance"). The process costs
+    a Python interpreter with torch (started at the first async save) and stages into shared
+    memory (a `memfd`, not `/dev/shm`); its threads: `save_thread_count`, or the cores
+    training leaves free."""
     load_thread_count: int | None = Field(default=None, ge=1, le=64)
     """Threads per rank reading (and downloading) files; None picks min(4, CPUs)."""
     throttle_uploads: bool = False

@@ -35,6 +35,11 @@ LOCAL_POINTS = (  # the node-local tier (core/local_tier.py)
 )
 """Points of the node-local tier's save (`local-cleanup`: only when a step is deleted)."""
 
+WRITER_POINTS = (  # the writer process of async saves (core/writer_process.py)
+    "writer-process-writing",  # the writer process wrote the first item of a shard file
+)
+"""Points inside the writer process (`async_writer="process"`)."""
+
 
 _hooks: dict[str, Callable[[], None]] = {}
 
@@ -57,8 +62,9 @@ def fault_point(name: str) -> None:
 def on_fault_point(name: str, hook: Callable[[], None]) -> Iterator[None]:
     """Test-only: run `hook` in this process each time the protocol reaches point `name`
     (e.g. delete a working folder at a known moment), until the block ends."""
-    if name not in POINTS + LOCAL_POINTS:
-        raise ValueError(f"unknown fault point {name!r}; known: {POINTS + LOCAL_POINTS}")
+    known = POINTS + LOCAL_POINTS + WRITER_POINTS
+    if name not in known:
+        raise ValueError(f"unknown fault point {name!r}; known: {known}")
     _hooks[name] = hook
     try:
         yield

@@ -37,7 +37,7 @@ from trainckpt.format import item_record
 from trainckpt.format.layout import DCP_METADATA_FILE
 from trainckpt.format.safe_unpickle import load_torch_plain
 from trainckpt.format.shard_reader import ParallelReader
-from trainckpt.format.shard_writer import RecordingWriter
+from trainckpt.format.shard_writer import RecordingWriter, ShardWriter
 from trainckpt.storage import Storage
 from trainckpt.storage.checksums import FileEntry, crc32c_file
 from trainckpt.storage.ranged import RangeReader
@@ -56,9 +56,10 @@ def save_state(
     durable: bool = True,
     on_file: Callable[[str], None] | None = None,
     prefix: str | None = None,
+    shard_writer: ShardWriter | None = None,
 ) -> dict[str, FileEntry]:
     """Write `state` as a DCP folder of up to `thread_count` shard files per rank, written by
-    `write_threads` threads (default: one per file), and return the files this rank wrote
+    `shard_writer` (default: one thread per file), and return the files this rank wrote
     (relative to the checkpoint folder: `prefix` + name, `prefix` defaulting to the DCP
     folder's name and a slash) with size and CRC32C; with `durable`, every file is fsynced.
     `on_file` gets each shard's path (the same relative path) as soon as it is complete.
@@ -71,6 +72,7 @@ def save_state(
         thread_count=thread_count,
         durable=durable,
         on_file=None if on_file is None else lambda name: on_file(f"{rel}{name}"),
+        shard_writer=shard_writer,
     )
     with _quiet_single_process(), plain_errors(f"writing DCP state into '{folder}'", StorageError):
         dcp.save(

@@ -17,7 +17,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from trainckpt.core import dist
 from trainckpt.core.direct import save_direct
@@ -27,6 +27,9 @@ from trainckpt.format import layout
 from trainckpt.storage.checksummed_file import checksummed_file
 from trainckpt.storage.checksums import FileEntry, crc32c_file
 from trainckpt.storage.local import fsync_dir, writing
+
+if TYPE_CHECKING:  # imports DCP, which loads with the first save (`import trainckpt` stays fast)
+    from trainckpt.format.shard_writer import ShardWriter
 
 OnFile = Callable[[str], None]
 """Gets the path of each file (relative to the checkpoint) as soon as it is complete, from any
@@ -71,6 +74,8 @@ class TrainingFiles:
     group: dist.ProcessGroup | None
     thread_count: int
     """Shard files (and writer threads) per rank when writing in place."""
+    shard_writer: ShardWriter | None = None
+    """Who writes the shard files (`save_async` with a writer process); None: threads."""
 
     def write(self, to: WriteTarget) -> dict[str, FileEntry]:
         """Called on: all ranks (DCP plans collectively)."""
@@ -116,6 +121,7 @@ class TrainingFiles:
                     durable=to.durable,
                     on_file=to.on_file,
                     prefix=prefix,
+                    shard_writer=self.shard_writer,
                 )
             )
         return entries

@@ -2,8 +2,10 @@
 
 `Stager` keeps the buffers of the previous copy and reuses them when the next state has the same
 keys, shapes, dtypes and pinning, so repeated async saves cost one copy of the state in memory,
-allocated once. Only one staged copy is alive at a time: the caller must not stage again while a
-save of the previous copy is still writing (the checkpointer waits for it).
+allocated once. For a writer process (`async_writer="process"`) the buffers are carved out of
+one shared-memory arena (`shared_memory.py`) that process maps. Only one staged copy is alive
+at a time: the caller must not stage again while a save of the previous copy is still writing
+(the checkpointer waits for it).
 
 On a GPU (CUDA in use by the trainer) the copies go into pinned buffers, on a side stream of the
 trainer's device that first waits for the trainer's stream as it was at `mark()`: the copy reads
@@ -18,11 +20,14 @@ from __future__ import annotations
 import copy
 import logging
 import sys
+from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from trainckpt.core.shared_memory import Arena, layout
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +45,7 @@ class Stager:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._arena: Arena | None = None  # holds every buffer, in shared mode
         self._streams: dict[int, Any] = {}
         self._devices: set[int] = set()  # GPUs the current `stage` copies from
 
@@ -53,11 +59,16 @@ class Stager:
         event.record(torch.cuda.current_stream(device))
         return StreamMark(device, event)
 
-    def stage(self, state: Any, after: StreamMark | None = None) -> Any:
+    def stage(self, state: Any, after: StreamMark | None = None, *, shared: bool = False) -> Any:
         """A copy of `state` whose tensors live in this stager's CPU buffers, complete when this
         returns. `after` is the trainer's stream position the copies must follow (from
         `mark()`); staging on the training thread may leave it out (the current position).
+        `shared`: the buffers are in one shared-memory arena (for a writer process).
         Called on: the training thread, or the checkpointer's background thread with `after`."""
+        if shared:
+            self._allocate_shared(state)
+        elif self._arena is not None:
+            self.release()  # the writer process is no longer used
         mark = after if after is not None else self.mark()
         stream = None if mark is None else self._side_stream(mark)
         used: set[str] = set()
@@ -77,6 +88,32 @@ class Stager:
     def release(self) -> None:
         """Free the buffers (the next `stage` allocates anew)."""
         self._buffers.clear()
+        self._arena = None
+
+    def _allocate_shared(self, state: Any) -> None:
+        """Put a buffer for every tensor of `state` into one new arena, unless the current
+        arena already holds buffers of exactly these keys, shapes and dtypes."""
+        leaves = dict(_leaves(state, ""))
+        pin = any(t.is_cuda for t in leaves.values())
+        if (
+            self._arena is not None
+            and leaves.keys() == self._buffers.keys()
+            and all(
+                self._buffers[k].shape == t.shape and self._buffers[k].dtype == t.dtype
+                for k, t in leaves.items()
+            )
+            and (self._arena.pinned or not pin)
+        ):
+            return
+        self._buffers, self._arena = {}, None  # the old arena goes before the new one comes
+        offsets, size = layout([t.numel() * t.element_size() for t in leaves.values()])
+        arena = Arena(size, pin=pin)
+        self._buffers = {
+            k: arena.tensor(offset, t.shape, t.dtype)
+            for (k, t), offset in zip(leaves.items(), offsets, strict=True)
+        }
+        self._arena = arena
+        log.info("allocated %.1f MB of shared staging memory", size / 1e6)
 
     @property
     def nbytes(self) -> int:
@@ -120,17 +157,34 @@ class Stager:
         if pin:
             self._devices.add(t.device.index or 0)
         buf = self._buffers.get(path)
-        # (is_pinned is asked only of GPU state: on a CPU trainer it could initialize CUDA.)
+        # (is_pinned is asked only of GPU state: on a CPU trainer it could initialize CUDA. An
+        # arena CUDA would not register stays in use: its copies are synchronous but right.)
         if (
             buf is None
             or buf.shape != t.shape
             or buf.dtype != t.dtype
-            or (pin and not buf.is_pinned())
+            or (pin and self._arena is None and not buf.is_pinned())
         ):
             buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
             self._buffers[path] = buf
         buf.copy_(t, non_blocking=pin)  # from the GPU: on the side stream, into pinned memory
         return buf
+
+
+def _leaves(obj: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors `Stager._copy` copies (DTensors as their local shards), keyed as it keys
+    its buffers."""
+    DTensor = dtensor_type()
+    if DTensor is not None and isinstance(obj, DTensor):
+        yield path, obj.to_local().detach()
+    elif isinstance(obj, torch.Tensor):
+        yield path, obj.detach()
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _leaves(v, f"{path}.{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _leaves(v, f"{path}.{i}")
 
 
 def _cuda_in_use() -> bool:

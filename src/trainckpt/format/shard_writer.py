@@ -4,7 +4,8 @@ The files are exactly DCP's (each item `torch.save`d into per-rank `__{R}_{i}.di
 plus DCP's pickled `.metadata`), so plain DCP and OLMo-core read them. What differs from DCP's
 own `FileSystemWriter` is how they are written:
 
-- one thread per shard file, all files of a rank written and fsynced in parallel;
+- one thread per shard file, all files of a rank written and fsynced in parallel, or the
+  files written by another process (`ShardWriter`: `core/writer_process.py`);
 - the CRC32C that the manifest needs is computed from the bytes as they are written, instead of
   reading every file back afterwards, without holding the interpreter lock
   (`checksummed_file`);
@@ -28,12 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, cast
+from typing import IO, Protocol, cast
 
 import torch
 from torch.distributed.checkpoint.filesystem import (
@@ -42,7 +45,6 @@ from torch.distributed.checkpoint.filesystem import (
     _split_by_size_and_type,
     _StorageInfo,
     _StoragePrefix,
-    _write_item,
 )
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
@@ -75,13 +77,17 @@ class RecordingWriter(FileSystemWriter):
         thread_count: int,
         durable: bool = True,
         on_file: Callable[[str], None] | None = None,
+        shard_writer: ShardWriter | None = None,
     ) -> None:
-        """`on_file(name)` is called (on the writing thread) as soon as a shard is complete."""
+        """`thread_count`: shard files per rank. `on_file(name)` is called (on a writing
+        thread) as soon as a shard is complete. `shard_writer` writes the files (default: one
+        thread per file, `ThreadShardWriter`)."""
         super().__init__(
             path, single_file_per_rank=True, sync_files=durable, thread_count=thread_count
         )
         self.written: dict[str, FileEntry] = {}
         self.on_file = on_file
+        self.shard_writer = shard_writer or ThreadShardWriter()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """DCP's own step (creates the folder), with write errors naming the folder."""
@@ -109,56 +115,115 @@ class RecordingWriter(FileSystemWriter):
         self.save_id = plan.storage_data.save_id
         prefix = plan.storage_data.prefix
         buckets = [b for b in _split_by_size_and_type(self.thread_count, plan.items) if b]
-        names = [f"{prefix}{i}{DEFAULT_SUFFIX}" for i in range(len(buckets))]
-        results: list[WriteResult] = []
-        if buckets:
-            with ThreadPoolExecutor(len(buckets), thread_name_prefix="trainckpt-write") as pool:
-                futures = [
-                    pool.submit(self._write_file, name, items, planner)
-                    for name, items in zip(names, buckets, strict=True)
-                ]
-                for name, future in zip(names, futures, strict=True):
-                    entry, file_results = future.result()  # raises the first failure
-                    self.written[name] = entry
-                    results.extend(file_results)
-        done: Future[list[WriteResult]] = Future()
-        done.set_result(results)
-        return done
-
-    def _write_file(
-        self, name: str, items: list[WriteItem], planner: SavePlanner
-    ) -> tuple[FileEntry, list[WriteResult]]:
-        """Write one shard file (byte items first, then tensors, as DCP does), then its item
-        record; fsynced."""
-        ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
-        ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
-        results = []
-        parts = []
-        with checksummed_file(Path(self.path) / name, fsync=self.sync_files) as out:
-            for item in ordered:
-                data = _resolve(planner, item)
-                out.start_part()
-                results.append(self._write_item(out, data, item, name))
-                parts.append(out.part())
-            out.write(item_record.encode(name, self.save_id, parts))
-        if self.on_file is not None:
-            self.on_file(name)
-        return out.entry(), results
-
-    def _write_item(
-        self, out: ChecksummedWriter, data: torch.Tensor | io.BytesIO, item: WriteItem, name: str
-    ) -> WriteResult:
-        """One item at the end of `out`: a tensor as `torch.save` writes it minus the zip
-        CRC32 (`_save_item`); byte items, and anything DCP's storage extensions transform, by
-        DCP's own item writer."""
-        if not isinstance(data, torch.Tensor) or self.transforms.extensions:
-            return _write_item(self.transforms, out, data, item, name, self.serialization_format)  # type: ignore[arg-type]
-        offset = out.tell()
-        _save_item(data, out)
-        length = out.tell() - offset
-        return WriteResult(
-            index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length)
+        resolve = functools.partial(_resolve, planner)
+        shards = [
+            Shard(f"{prefix}{i}{DEFAULT_SUFFIX}", _file_order(items), resolve)
+            for i, items in enumerate(buckets)
+        ]
+        written = self.shard_writer.write_shards(
+            Path(self.path), shards, self.save_id, self.sync_files, self.on_file
         )
+        results: list[WriteResult] = []
+        for shard, done in zip(shards, written, strict=True):
+            self.written[shard.name] = done.entry
+            for item, (offset, length) in zip(shard.items, done.spans, strict=True):
+                info = _StorageInfo(shard.name, offset, length)
+                results.append(WriteResult(item.index, length, info))
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+
+ItemData = torch.Tensor | io.BytesIO | bytes
+"""What an item holds on the CPU: a tensor, or the bytes of a byte item."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One shard file to write: its name and its items in file order, whose data `resolve`
+    gives (on the writing thread: a view is cloned only when its turn comes)."""
+
+    name: str
+    items: list[WriteItem]
+    resolve: Callable[[WriteItem], ItemData]
+
+
+@dataclass(frozen=True)
+class WrittenShard:
+    """A shard file as written: size and CRC32C, and (offset, length) of each item in order."""
+
+    name: str
+    entry: FileEntry
+    spans: list[tuple[int, int]]
+
+
+class ShardWriter(Protocol):
+    """Writes the shard files of one rank (`ThreadShardWriter`, or a writer process)."""
+
+    def write_shards(
+        self,
+        folder: Path,
+        shards: list[Shard],
+        save_id: str,
+        fsync: bool,
+        on_file: Callable[[str], None] | None,
+    ) -> list[WrittenShard]:
+        """Write every shard into `folder` (each file fsynced with `fsync`), calling
+        `on_file(name)` as each is complete; return them in the order given; raise the first
+        failure once every file is finished or failed."""
+        ...
+
+
+class ThreadShardWriter:
+    """Writes each shard file on its own thread of this process."""
+
+    def write_shards(
+        self,
+        folder: Path,
+        shards: list[Shard],
+        save_id: str,
+        fsync: bool,
+        on_file: Callable[[str], None] | None,
+    ) -> list[WrittenShard]:
+        if not shards:
+            return []
+
+        def write(shard: Shard) -> WrittenShard:
+            items = (shard.resolve(item) for item in shard.items)
+            done = write_shard(folder, shard.name, items, save_id, fsync)
+            if on_file is not None:
+                on_file(shard.name)
+            return done
+
+        with ThreadPoolExecutor(len(shards), thread_name_prefix="trainckpt-write") as pool:
+            futures = [pool.submit(write, shard) for shard in shards]
+            return [f.result() for f in futures]  # raises the first failure
+
+
+def write_shard(
+    folder: Path, name: str, items: Iterable[ItemData], save_id: str, fsync: bool
+) -> WrittenShard:
+    """Write shard file `name`: each item (a tensor as `torch.save` writes it minus the zip
+    CRC32, `_save_item`; a byte item as it is), then its item record; fsynced with `fsync`.
+    Called on: a writer thread, or the writer process."""
+    parts = []
+    with checksummed_file(folder / name, fsync=fsync) as out:
+        for data in items:
+            out.start_part()
+            if isinstance(data, torch.Tensor):
+                _save_item(data, out)
+            else:
+                out.write(data.getbuffer() if isinstance(data, io.BytesIO) else data)
+            parts.append(out.part())
+        out.write(item_record.encode(name, save_id, parts))
+    return WrittenShard(name, out.entry(), [(offset, length) for offset, length, _ in parts])
+
+
+def _file_order(items: list[WriteItem]) -> list[WriteItem]:
+    """Byte items first, then tensors, as DCP's own writer orders a file."""
+    return [i for i in items if i.type == WriteItemType.BYTE_IO] + [
+        i for i in items if i.type != WriteItemType.BYTE_IO
+    ]
 
 
 def _save_item(tensor: torch.Tensor, out: ChecksummedWriter) -> None:

@@ -1,0 +1,335 @@
+"""A separate process that writes the shard files of async saves (`async_writer="process"`).
+
+A save writing on threads of the training process competes with training for the interpreter
+lock: every step of the training loop then waits, again and again, for a writer thread to let
+go of it (README "Performance" has the measurement). This process takes that part away. The
+staged state reaches it through shared memory (`shared_memory.Arena`: the descriptor of each
+arena is sent once, the process maps it and keeps it while saves use it), so per save only a
+short job crosses the socket: which bytes go into which file.
+
+Everything else of the save stays on the checkpointer's save thread: DCP's planning (a
+collective), the trainer state, the manifest and the commit protocol. The process writes the
+files exactly as the threads would (`shard_writer.write_shard`) and reports each one (size,
+CRC32C, where each item lies) as it is complete, so uploads start as early as before. A write
+that fails there fails the save with the same `StorageError`. If the process dies, the save
+fails with an error saying so (nothing of it is committed) and the next save starts a new
+process. If the training process dies, the writer exits: its socket closes, and it checks every
+second that its parent is alive.
+
+The process is started with `python -m trainckpt.core.writer_process`, not by
+`multiprocessing`'s spawn, which would import the training script again in the child.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import mmap
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle, send_handle
+from pathlib import Path
+
+import torch
+
+from trainckpt.core.shared_memory import Arena, Span, layout, locate
+from trainckpt.errors import CheckpointError, StorageError
+from trainckpt.faults import fault_point
+from trainckpt.format.shard_writer import ItemData, Shard, WrittenShard, write_shard
+
+log = logging.getLogger(__name__)
+
+
+def default_threads() -> int:
+    """Writer threads when `save_thread_count` is unset: the cores training leaves free (at
+    least one, at most four)."""
+    return max(1, min(4, (os.cpu_count() or 1) - torch.get_num_threads()))
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor in an arena: its storage's bytes (`span`; None for an empty tensor) and the view
+    of them that was staged."""
+
+    span: Span | None
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+
+
+@dataclass(frozen=True)
+class Job:
+    """The shard files of one rank's save, for the writer process."""
+
+    folder: str
+    save_id: str
+    fsync: bool
+    threads: int
+    shards: list[tuple[str, list[TensorRef | bytes]]]
+    arenas: dict[str, int]
+    """Id -> size of every arena the job reads; the process unmaps any other."""
+    new_arenas: list[str]
+    """Arenas the process has not mapped yet: their descriptors follow the job, in order."""
+
+
+class WriterProcess:
+    """The training process's side: a `ShardWriter` whose files another process writes.
+
+    Called on: every rank, from the checkpointer's save thread (one save at a time), and
+    `close` from the training thread once no save is pending.
+    """
+
+    def __init__(self) -> None:
+        self.threads = 1
+        """Writer threads inside the process, for the next save."""
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._conn: Connection | None = None
+        self._mapped: set[str] = set()  # arenas the process holds
+
+    def write_shards(
+        self,
+        folder: Path,
+        shards: list[Shard],
+        save_id: str,
+        fsync: bool,
+        on_file: Callable[[str], None] | None,
+    ) -> list[WrittenShard]:
+        if not shards:
+            return []
+        arenas: dict[str, Arena] = {}  # also keeps a scratch arena alive until the end
+        job_shards = _export(shards, arenas)
+        conn, pid = self._connection()
+        new = [a for a in arenas if a not in self._mapped]
+        job = Job(
+            str(folder),
+            save_id,
+            fsync,
+            max(1, min(self.threads, len(shards))),
+            job_shards,
+            {a: arena.size for a, arena in arenas.items()},
+            new,
+        )
+        written: dict[str, WrittenShard] = {}
+        try:
+            conn.send(job)
+            for a in new:
+                send_handle(conn, arenas[a].fd, pid)
+            self._mapped = set(arenas)
+            while True:
+                kind, payload = conn.recv()
+                if kind == "done":
+                    break
+                if kind == "error":
+                    raise payload
+                written[payload.name] = payload
+                if on_file is not None:
+                    on_file(payload.name)
+        except CheckpointError:
+            raise
+        except (EOFError, OSError) as e:
+            code = self._stop()
+            raise StorageError(
+                f"the writer process (pid {pid}) died ({_exit_text(code)}) while writing the "
+                f"shard files under '{folder}'; nothing of this save was committed, and the "
+                "next save starts a new writer process. If it keeps dying, look for its error "
+                "above (or the kernel log: out of memory?), or set async_writer='thread'"
+            ) from e
+        except BaseException:
+            self._stop()  # it may still be writing: a new save must not read its replies
+            raise
+        return [written[s.name] for s in shards]
+
+    def close(self) -> None:
+        """Ask the process to exit (it finishes nothing: no save is pending); kill it after
+        10 s. Called on: the training thread."""
+        if self._conn is not None:
+            try:
+                self._conn.send(None)
+            except OSError:
+                pass
+        self._stop(wait=10.0)
+
+    def _connection(self) -> tuple[Connection, int]:
+        """The socket to a live writer process, starting one if there is none."""
+        if self._proc is not None and self._proc.poll() is None and self._conn is not None:
+            return self._conn, self._proc.pid
+        self._stop()
+        parent, child = socket.socketpair()
+        with child:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", __name__, str(child.fileno())],
+                pass_fds=(child.fileno(),),
+                stdin=subprocess.DEVNULL,
+            )
+        self._conn = Connection(parent.detach())
+        self._mapped = set()
+        log.info("started the writer process (pid %d)", self._proc.pid)
+        return self._conn, self._proc.pid
+
+    def _stop(self, wait: float = 0.0) -> int | None:
+        """End the process (killed unless it exits within `wait` s); its exit code."""
+        proc, conn = self._proc, self._conn
+        self._proc = self._conn = None
+        self._mapped = set()
+        if conn is not None:
+            conn.close()
+        if proc is None:
+            return None
+        try:
+            return proc.wait(timeout=wait) if wait else _kill(proc)
+        except subprocess.TimeoutExpired:
+            return _kill(proc)
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> int:
+    if proc.poll() is None:
+        proc.kill()
+    return proc.wait()
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "exit status unknown"
+    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+
+def _export(shards: list[Shard], arenas: dict[str, Arena]) -> list[tuple[str, list]]:
+    """The job's view of `shards`: each tensor as a reference into the arena that holds it
+    (filled into `arenas`). A tensor outside every arena (a view `_resolve` cloned) is first
+    copied into one scratch arena for this save."""
+    resolved = [(s.name, [s.resolve(item) for item in s.items]) for s in shards]
+    outside = [
+        d
+        for _, items in resolved
+        for d in items
+        if isinstance(d, torch.Tensor) and d.numel() and locate(d) is None
+    ]
+    if outside:
+        offsets, size = layout([t.untyped_storage().nbytes() for t in outside])
+        scratch = Arena(size)
+        pairs = zip(outside, offsets, strict=True)
+        copies = {id(t): scratch.copy_of(offset, t) for t, offset in pairs}
+        resolved = [(name, [copies.get(id(d), d) for d in items]) for name, items in resolved]
+    return [(name, [_reference(d, arenas) for d in items]) for name, items in resolved]
+
+
+def _reference(data: ItemData, arenas: dict[str, Arena]) -> TensorRef | bytes:
+    if not isinstance(data, torch.Tensor):
+        return data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+    span = None
+    if data.numel():
+        found = locate(data)
+        assert found is not None  # _export copied every other tensor into an arena
+        arena, span = found
+        arenas[arena.id] = arena
+    return TensorRef(
+        span, str(data.dtype), tuple(data.shape), tuple(data.stride()), int(data.storage_offset())
+    )
+
+
+# -- the writer process --------------------------------------------------------------------------
+
+
+def _serve(conn: Connection) -> None:
+    """Write the jobs that arrive until the socket closes or a None arrives."""
+    maps: dict[str, mmap.mmap] = {}
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            return
+        if job is None:
+            return
+        for a in job.new_arenas:
+            fd = recv_handle(conn)
+            try:
+                maps[a] = mmap.mmap(fd, job.arenas[a])
+            finally:
+                os.close(fd)
+        for a in set(maps) - set(job.arenas):
+            del maps[a]  # unmapped once the last save's tensors are gone
+        _write_job(conn, job, maps)
+
+
+def _write_job(conn: Connection, job: Job, maps: dict[str, mmap.mmap]) -> None:
+    """Write every shard of `job` on `job.threads` threads; send each as it is complete, then
+    "done", or the first failure once every file is finished or failed."""
+    folder = Path(job.folder)
+
+    def write(name: str, refs: list[TensorRef | bytes]) -> WrittenShard:
+        return write_shard(folder, name, _items(refs, maps), job.save_id, job.fsync)
+
+    error: BaseException | None = None
+    with ThreadPoolExecutor(job.threads, thread_name_prefix="trainckpt-write") as pool:
+        futures = [pool.submit(write, name, refs) for name, refs in job.shards]
+        for future in as_completed(futures):
+            try:
+                conn.send(("file", future.result()))
+            except BaseException as e:
+                error = error or e
+    conn.send(("done", None) if error is None else ("error", _portable(error, folder)))
+
+
+def _items(refs: list[TensorRef | bytes], maps: dict[str, mmap.mmap]) -> Iterator[ItemData]:
+    for i, ref in enumerate(refs):
+        yield ref if isinstance(ref, bytes) else _tensor(ref, maps)
+        if i == 0:
+            fault_point("writer-process-writing")
+
+
+def _tensor(ref: TensorRef, maps: dict[str, mmap.mmap]) -> torch.Tensor:
+    """The staged tensor `ref` names, on the shared memory (no copy), with a storage of exactly
+    its bytes as it had when staged."""
+    dtype = getattr(torch, ref.dtype.removeprefix("torch."))
+    if ref.span is None:
+        return torch.empty_strided(ref.shape, ref.stride, dtype=dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    count = ref.span.size // itemsize
+    memory = maps[ref.span.arena_id]
+    flat = torch.frombuffer(memory, dtype=dtype, count=count, offset=ref.span.offset)
+    return flat.as_strided(ref.shape, ref.stride, ref.storage_offset)
+
+
+def _portable(error: BaseException, folder: Path) -> CheckpointError:
+    """`error` as the training process should see it (our errors as they are)."""
+    if isinstance(error, CheckpointError):
+        try:
+            pickle.loads(pickle.dumps(error))
+            return error
+        except Exception:
+            pass
+    return StorageError(
+        f"writing the shard files under '{folder}' failed in the writer process "
+        f"({type(error).__name__}: {error}); nothing of this save was committed: fix the cause "
+        "and save again"
+    )
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Exit as soon as the training process is gone (it was killed: finishing its files would
+    only race the cleanup of its successor)."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def main(argv: list[str]) -> int:
+    conn = Connection(int(argv[0]))
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    torch.set_num_threads(1)
+    _serve(conn)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
