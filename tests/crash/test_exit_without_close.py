@@ -25,10 +25,12 @@ WORKER = SUPPORT / "exit_worker.py"
 EXIT_CODE = {"exit": 0, "raise": 1, "sigterm-handler": 143, "sigterm-default": -signal.SIGTERM}
 
 
-def _end_mid_save(folder: str, how: str, exit_timeout: float, work_dir: Path) -> tuple[int, str]:
+def _end_mid_save(
+    folder: str, how: str, exit_timeout: float, work_dir: Path, writer: str = "thread"
+) -> tuple[int, str]:
     """Run the worker; return its exit code and log."""
     done = subprocess.run(
-        [sys.executable, str(WORKER), folder, how, str(exit_timeout), str(work_dir)],
+        [sys.executable, str(WORKER), folder, how, str(exit_timeout), str(work_dir), writer],
         capture_output=True,
         text=True,
         timeout=240,
@@ -64,6 +66,18 @@ def test_save_in_flight_at_exit_commits(folder: str, how: str, tmp_path: Path) -
     assert "save in flight at the end: True" in log, log  # the exit hook had work to do
     assert f"waiting up to 300s for the save of '{path}' to commit" in log, log
     _assert_committed_and_exact(path, tmp_path / "check")
+
+
+@pytest.mark.parametrize("how", ["exit", "raise"])
+def test_save_in_flight_at_exit_commits_through_the_writer_process(
+    how: str, tmp_path: Path
+) -> None:
+    folder = str(tmp_path / "run")
+    code, log = _end_mid_save(folder, how, 300, tmp_path / "work", "process")
+    assert code == EXIT_CODE[how], log
+    assert "save in flight at the end: True" in log, log
+    assert "started the writer process" in log, log
+    _assert_committed_and_exact(f"{folder}/step1", tmp_path / "check")
 
 
 @pytest.mark.parametrize("how", ["exit", "sigterm-default"])

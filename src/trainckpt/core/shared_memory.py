@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from trainckpt.errors import StorageError
+
 ALIGN = 64
 """Byte alignment of every tensor in an arena (any dtype's, and a cache line)."""
 
@@ -45,13 +47,16 @@ class Arena:
         """Called on: any rank, on the thread that stages."""
         self.id = uuid.uuid4().hex
         self.size = max(size, ALIGN)  # a mapping cannot be empty
-        self.fd = os.memfd_create(f"trainckpt-staging-{self.id[:8]}", os.MFD_CLOEXEC)
+        try:
+            self.fd = os.memfd_create(f"trainckpt-staging-{self.id[:8]}", os.MFD_CLOEXEC)
+        except OSError as e:
+            raise _no_memory(self.size, e) from e
         try:
             os.ftruncate(self.fd, self.size)
             self._map = mmap.mmap(self.fd, self.size)
-        except BaseException:
+        except OSError as e:
             os.close(self.fd)
-            raise
+            raise _no_memory(self.size, e) from e
         base = torch.frombuffer(self._map, dtype=torch.uint8, count=1)
         self.address = base.data_ptr()
         del base
@@ -96,6 +101,14 @@ def locate(t: torch.Tensor) -> tuple[Arena, Span] | None:
         if arena.address <= address and address + size <= arena.address + arena.size:
             return arena, Span(arena.id, address - arena.address, size)
     return None
+
+
+def _no_memory(size: int, e: OSError) -> StorageError:
+    return StorageError(
+        f"cannot allocate {size / 1e6:.1f} MB of shared memory to stage the checkpoint for the "
+        f"writer process ({e.strerror or e}); free memory, raise the limit, or set "
+        "async_writer='thread'"
+    )
 
 
 def _register_with_cuda(address: int, size: int) -> bool:
