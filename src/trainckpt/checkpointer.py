@@ -96,6 +96,8 @@ class Checkpointer:
         self._staging: Future[None] | None = None
         self._stager = Stager()
         self._writer: WriterProcess | None = None
+        if self.async_writer == "process":
+            self._writer_process().start()  # its start-up overlaps the trainer's
         self._lock = threading.Lock()
         self._local = (
             None

@@ -115,10 +115,20 @@ def test_the_writer_process_and_its_arena_are_reused(ckpt: Checkpointer, tmp_pat
 
 
 def test_a_killed_writer_process_fails_the_save_and_the_next_one_starts_a_new_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENV_VAR, "writer-process-writing")  # inherited by the writer process
+    ckpt = CheckpointerConfig(work_dir=tmp_path / "work", async_writer="process").build()
+    try:
+        _killed_writer_then_new_one(ckpt, tmp_path, monkeypatch)
+    finally:
+        ckpt.close()
+
+
+def _killed_writer_then_new_one(
     ckpt: Checkpointer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     module = make_module(width=64)
-    monkeypatch.setenv(ENV_VAR, "writer-process-writing")  # inherited by the writer process
     step1 = tmp_path / "run" / "step1"
     future = ckpt.save_async(step1, module, {"step": 1})
     with pytest.raises(
@@ -154,19 +164,18 @@ def _file_size_limit(limit: int) -> contextlib.AbstractContextManager[None]:
     return limited()
 
 
-def test_a_write_error_in_the_writer_process_names_the_file(
-    ckpt: Checkpointer, tmp_path: Path
-) -> None:
-    """A file-size limit (inherited by the writer process when it starts) makes its shard writes
-    fail: the save fails with the write error naming the shard; the process stays alive."""
-    module = make_module(width=256)  # shards of about 1 MB
-    ckpt._stager.stage(module.state_dict_to_save(), shared=True)  # the arena, before the limit
+def test_a_write_error_in_the_writer_process_names_the_file(tmp_path: Path) -> None:
+    """A file-size limit on the writer process only (it inherits the limit it started under)
+    makes its shard writes fail: the save fails with the write error naming the shard; the
+    process stays alive until close."""
     with _file_size_limit(256 << 10):
-        future = ckpt.save_async(tmp_path / "run" / "step1", module, {"step": 1})
-        with pytest.raises(
-            StorageError, match=r"cannot write '.*step1-tmp/model_and_optim/__0_\d\.distcp'"
-        ):
-            future.result()
+        ckpt = CheckpointerConfig(work_dir=tmp_path / "work", async_writer="process").build()
+    module = make_module(width=256)  # shards of about 1 MB
+    future = ckpt.save_async(tmp_path / "run" / "step1", module, {"step": 1})
+    with pytest.raises(
+        StorageError, match=r"cannot write '.*step1-tmp/model_and_optim/__0_\d\.distcp'"
+    ):
+        future.result()
     writer = ckpt._writer._proc
     assert writer.poll() is None  # an error, not a death
     assert not Checkpointer.dir_is_checkpoint(tmp_path / "run" / "step1")
@@ -262,3 +271,17 @@ def _two_ranks(rank: int, world_size: int, folder: str, overlap: bool) -> str:
         return "ok"
     finally:
         ckpt.close()
+
+
+def test_an_object_store_save_goes_through_the_writer_process(
+    ckpt: Checkpointer, gcs_bucket: str
+) -> None:
+    """Shards the process writes into the staging folder are uploaded as each is reported."""
+    module = make_module(width=64)
+    path = ckpt.save_async(f"{gcs_bucket}/step1", module, {"step": 1}).result()
+    assert ckpt._writer._mapped  # the process wrote it
+    report = Checkpointer.verify(path, deep=True)
+    assert report.ok and not report.unverifiable, report
+    loaded = fresh_module(width=64)
+    assert ckpt.load(path, loaded) == {"step": 1}
+    assert_same_state(module, loaded)

@@ -149,6 +149,11 @@ class WriterProcess:
             raise
         return [written[s.name] for s in shards]
 
+    def start(self) -> None:
+        """Start the process now (it imports torch for a few seconds), so that the first save
+        does not wait for it. Called on: the training thread."""
+        self._connection()
+
     def close(self) -> None:
         """Ask the process to exit (it finishes nothing: no save is pending); kill it after
         10 s. Called on: the training thread."""
