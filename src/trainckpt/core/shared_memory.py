@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainckpt.errors import StorageError
+from trainckpt.errors import ConfigurationError, StorageError
 
 ALIGN = 64
 """Byte alignment of every tensor in an arena (any dtype's, and a cache line)."""
@@ -47,6 +47,11 @@ class Arena:
         """Called on: any rank, on the thread that stages."""
         self.id = uuid.uuid4().hex
         self.size = max(size, ALIGN)  # a mapping cannot be empty
+        if not hasattr(os, "memfd_create"):
+            raise ConfigurationError(
+                "async_writer='process' needs Linux (memfd_create) to share the staged state "
+                "with the writer process; set async_writer='thread' on this system"
+            )
         try:
             self.fd = os.memfd_create(f"trainckpt-staging-{self.id[:8]}", os.MFD_CLOEXEC)
         except OSError as e:
