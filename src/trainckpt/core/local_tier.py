@@ -64,8 +64,9 @@ from trainckpt.format.local_layout import (
 )
 from trainckpt.format.safe_unpickle import load_torch_plain
 from trainckpt.format.trainer_state import deserialize_trainer_state
-from trainckpt.storage.checksummed_file import ChecksummedWriter, checksummed_file, crc32c_extend
+from trainckpt.storage.checksummed_file import checksummed_file, crc32c_extend
 from trainckpt.storage.checksums import FileEntry
+from trainckpt.storage.direct_file import DirectWriter, direct_file
 from trainckpt.storage.local import fsync_dir, writing
 
 log = logging.getLogger(__name__)
@@ -179,6 +180,11 @@ class LocalTier:
         except Exception as e:
             error = e
         dist.agree(error, f"committing {what}", self.group)
+        phases = {
+            "written": written - start,
+            "replicated": replicated - written,
+            "marked": time.perf_counter() - replicated,
+        }
         log.info(
             "committed local checkpoint step %d (attempt %s, %d bytes own part, %d replicas "
             "held) in %.2fs: written %.2fs, replicated %.2fs, marked %.2fs",
@@ -187,9 +193,8 @@ class LocalTier:
             parts[rank].size,
             len(held) - 1,
             time.perf_counter() - start,
-            written - start,
-            replicated - written,
-            time.perf_counter() - replicated,
+            *phases.values(),
+            extra={"local_save_seconds": phases},  # for tools (scripts/bench_local.py)
         )
         if self._is_disk_leader():
             self._retain(step)
@@ -537,16 +542,16 @@ class _PartWriter:
         with writing(folder):
             folder.mkdir(parents=True)
         self._stack = ExitStack()
-        self._writer: ChecksummedWriter | None = None
+        self._writer: DirectWriter | None = None
         self._entries: dict[str, FileEntry] = {}
 
     def write(self, data: memoryview) -> None:
         for name, piece, done in self._split.pieces(data):
             if self._writer is None:
-                self._writer = self._stack.enter_context(checksummed_file(self._folder / name))
+                self._writer = self._stack.enter_context(direct_file(self._folder / name))
             self._writer.write(piece)
             if done:
-                self._stack.close()  # flush + fsync
+                self._stack.close()  # the tail written, fsynced
                 self._entries[name] = self._writer.entry()
                 self._writer = None
 

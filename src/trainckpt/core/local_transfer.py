@@ -1,18 +1,29 @@
-"""Point-to-point copies of local-tier parts between ranks, in bounded chunks.
+"""Point-to-point copies of local-tier parts between ranks, pipelined, in bounded chunks.
 
 Every rank of the group calls `exchange` with the same list of transfers (each: a source rank,
-a destination rank and a byte count known to both). The bytes go in rounds: in each round every
-unfinished transfer moves one chunk of at most `chunk` bytes (gloo `isend`/`irecv`, tagged by
-the transfer's index, all posted before any is waited for, so no pair of ranks waits on each
-other). Memory per rank is one chunk per transfer it takes part in, whatever the part's size.
+a destination rank and a byte count known to both). Each transfer moves in chunks of at most
+`chunk` bytes through `depth` reusable buffers on each side (gloo `isend`/`irecv` of uint8
+tensors that are views of those buffers, nothing copied in between). Chunk `c` of a transfer
+travels in buffer `c % depth`; while it is in flight the source reads chunk `c + 1` into the
+next buffer and the destination writes (and CRCs) chunk `c - 1` from the previous one, so
+reading, the network and writing overlap instead of taking turns. Memory per rank is `depth`
+chunks per transfer it takes part in (2 x 16 MiB by default), whatever the part's size.
+
+No pair of ranks can wait on each other: every rank first posts chunks `0 .. depth - 1` of all
+its transfers, sends and receives, and then, for `c = 0, 1, ...`, waits for chunk `c` of its
+transfers and posts chunk `c + depth` into the buffer that freed. Chunk `c` of every transfer
+is thus posted on both sides before either waits for it, whatever the other transfers do.
 
 A source that cannot read its bytes sends zeros of the same length (the receiver's CRC32C check
-then fails) so the rounds never fall out of step; each side reports its own failures.
+then fails), and a sink that fails keeps receiving into its buffers, so every chunk is still
+matched on both sides; each side reports its own failures.
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -26,7 +37,10 @@ from trainckpt.faults import fault_point
 log = logging.getLogger(__name__)
 
 CHUNK = 16 << 20
-"""Bytes per transfer per round."""
+"""Bytes per message."""
+
+DEPTH = 2
+"""Chunks in flight per transfer on each side (buffers of `CHUNK` bytes each)."""
 
 
 @dataclass(frozen=True)
@@ -60,52 +74,151 @@ def exchange(
     open_sink: Callable[[Transfer], Sink],
     *,
     chunk: int = CHUNK,
+    depth: int = DEPTH,
 ) -> dict[int, BaseException]:
     """Run `transfers`; return this rank's failures by transfer index (an empty dict: every
     transfer this rank sent or received went through its source and sink without error —
     the receiver still checks the CRC32C). A dead peer raises `RankFailedError`.
 
     Called on: all ranks of `group`, with the same `transfers`."""
+    if chunk < 1 or depth < 1:
+        raise ValueError(f"chunk ({chunk}) and depth ({depth}) must be positive")
+    start = time.perf_counter()
     rank = dist.get_rank(group)
     errors: dict[int, BaseException] = {}
-    sources: dict[int, Source | None] = {}
-    sinks: dict[int, Sink | None] = {}
+    ends: list[_End] = []
     for i, t in enumerate(transfers):
         if t.src == rank:
-            sources[i] = _open(open_source, t, i, errors)
+            ends.append(_Outgoing(i, t, _open(open_source, t, i, errors), group, chunk, depth))
         if t.dst == rank:
-            sinks[i] = _open(open_sink, t, i, errors)
-    rounds = max((-(-t.size // chunk) for t in transfers), default=0)
+            ends.append(_Incoming(i, t, _open(open_sink, t, i, errors), group, chunk, depth))
+    # receives first: they cost nothing to post, and the senders' first chunks can land at once
+    ends.sort(key=lambda e: isinstance(e, _Outgoing))
+    chunks = max((e.chunks for e in ends), default=0)
     try:
-        for r in range(rounds):
-            ops: list[tuple[int, torch.Tensor, bool]] = []
-            for i, t in enumerate(transfers):
-                n = min(chunk, t.size - r * chunk)
-                if n <= 0:
-                    continue
-                if i in sources:
-                    ops.append((i, _read_chunk(sources, i, n, errors), True))
-                if i in sinks:
-                    ops.append((i, torch.empty(n, dtype=torch.uint8), False))
-            _send_and_receive(transfers, ops, group)
-            for i, buf, is_send in ops:
-                if not is_send and sinks.get(i) is not None:
-                    try:
-                        sinks[i].write(memoryview(buf.numpy().data))  # type: ignore[union-attr]
-                    except Exception as e:  # keep receiving: the rounds must stay in step
-                        errors[i] = e
-                        _close_quietly(sinks[i])
-                        sinks[i] = None
-            if r == 0:
-                fault_point("local-replicating")
+        with dist.peers("copying local checkpoint parts between ranks"):
+            for c in range(min(depth, chunks)):
+                for end in ends:
+                    end.post(c, errors)
+            for c in range(chunks):
+                for end in ends:
+                    end.finish(c, errors)
+                    end.post(c + depth, errors)
+                if c == 0:
+                    fault_point("local-replicating")
     finally:
-        for i, stream in [*sources.items(), *sinks.items()]:
-            if stream is not None:
-                try:
-                    stream.close()
-                except Exception as e:
-                    errors.setdefault(i, e)
+        for end in ends:
+            end.close(errors)
+    moved = sum(t.size for t in transfers if rank in (t.src, t.dst))
+    log.debug(
+        "rank %d moved %d bytes in %d transfers in %.2fs",
+        rank,
+        moved,
+        len(ends),
+        time.perf_counter() - start,
+    )
     return errors
+
+
+class _End:
+    """This rank's end of one transfer: `depth` buffers, the chunks posted and not finished."""
+
+    def __init__(
+        self,
+        i: int,
+        t: Transfer,
+        stream: Any,
+        group: dist.ProcessGroup | None,
+        chunk: int,
+        depth: int,
+    ) -> None:
+        self.i, self.t, self.stream, self.group = i, t, stream, group
+        self.chunk, self.depth = chunk, depth
+        self.chunks = -(-t.size // chunk)
+        self.bufs = [_page_aligned(min(chunk, t.size)) for _ in range(min(depth, self.chunks))]
+        self.works: dict[int, Any] = {}
+
+    def view(self, c: int) -> torch.Tensor:
+        """The buffer of chunk `c`, cut to that chunk's length (a contiguous view)."""
+        return self.bufs[c % self.depth][: min(self.chunk, self.t.size - c * self.chunk)]
+
+    def peer(self, rank: int) -> int:
+        return tdist.get_global_rank(self.group, rank) if self.group is not None else rank
+
+    def tag(self, c: int) -> int:
+        """One tag per (transfer, buffer): messages of one tag between one pair stay in order."""
+        return self.i * self.depth + c % self.depth
+
+    def post(self, c: int, errors: dict[int, BaseException]) -> None:
+        raise NotImplementedError
+
+    def finish(self, c: int, errors: dict[int, BaseException]) -> None:
+        raise NotImplementedError
+
+    def close(self, errors: dict[int, BaseException]) -> None:
+        """Close the stream (a chunk still in flight after a dead peer keeps its buffer alive
+        through its gloo work, so nothing is freed under it)."""
+        if self.stream is not None:
+            try:
+                self.stream.close()
+            except Exception as e:
+                errors.setdefault(self.i, e)
+            self.stream = None
+
+
+class _Outgoing(_End):
+    def post(self, c: int, errors: dict[int, BaseException]) -> None:
+        """Read chunk `c` into its buffer (zeros once the source failed) and send it."""
+        if c >= self.chunks:
+            return
+        buf = self.view(c)
+        if self.stream is not None:
+            try:
+                got = self.stream.readinto(buf.numpy().data)
+                if got != len(buf):
+                    raise EOFError(f"expected {len(buf)} more bytes, the file ended after {got}")
+            except Exception as e:
+                errors[self.i] = e
+                _close_quietly(self.stream)
+                self.stream = None
+        if self.stream is None:
+            buf.zero_()
+        self.works[c] = tdist.isend(buf, self.peer(self.t.dst), group=self.group, tag=self.tag(c))
+
+    def finish(self, c: int, errors: dict[int, BaseException]) -> None:
+        """Wait until chunk `c` has left its buffer."""
+        work = self.works.pop(c, None)
+        if work is not None:
+            work.wait()
+
+
+class _Incoming(_End):
+    def post(self, c: int, errors: dict[int, BaseException]) -> None:
+        if c < self.chunks:
+            buf = self.view(c)
+            self.works[c] = tdist.irecv(
+                buf, self.peer(self.t.src), group=self.group, tag=self.tag(c)
+            )
+
+    def finish(self, c: int, errors: dict[int, BaseException]) -> None:
+        """Wait for chunk `c` and hand it to the sink (chunk `c + 1` arrives meanwhile)."""
+        work = self.works.pop(c, None)
+        if work is None:
+            return
+        work.wait()
+        if self.stream is not None:
+            try:
+                self.stream.write(self.view(c).numpy().data)
+            except Exception as e:  # keep receiving: every chunk must still be matched
+                errors[self.i] = e
+                _close_quietly(self.stream)
+                self.stream = None
+
+
+def _page_aligned(size: int) -> torch.Tensor:
+    """A uint8 tensor of `size` bytes in its own anonymous mapping: page-aligned, so a sink
+    writing with `O_DIRECT` (`storage/direct_file.py`) writes from it in place."""
+    return torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
 
 
 def _open(opener: Callable[[Transfer], Source | Sink], t: Transfer, i: int, errors: dict) -> Any:
@@ -114,44 +227,6 @@ def _open(opener: Callable[[Transfer], Source | Sink], t: Transfer, i: int, erro
     except Exception as e:
         errors[i] = e
         return None
-
-
-def _read_chunk(
-    sources: dict[int, Source | None], i: int, n: int, errors: dict[int, BaseException]
-) -> torch.Tensor:
-    """The next `n` bytes of transfer `i`'s source, or zeros once it failed."""
-    src = sources[i]
-    if src is not None:
-        try:
-            buf = torch.empty(n, dtype=torch.uint8)
-            got = src.readinto(memoryview(buf.numpy().data))
-            if got != n:
-                raise EOFError(f"expected {n} more bytes, the file ended after {got}")
-            return buf
-        except Exception as e:
-            errors[i] = e
-            sources[i] = None
-    return torch.zeros(n, dtype=torch.uint8)
-
-
-def _send_and_receive(
-    transfers: Sequence[Transfer],
-    ops: list[tuple[int, torch.Tensor, bool]],
-    group: dist.ProcessGroup | None,
-) -> None:
-    if not ops:
-        return
-    with dist.peers("copying local checkpoint parts between ranks"):
-        works = []
-        for i, buf, is_send in ops:
-            t = transfers[i]
-            peer = t.dst if is_send else t.src
-            peer = tdist.get_global_rank(group, peer) if group is not None else peer
-            op = tdist.isend if is_send else tdist.irecv
-            works.append(op(buf, peer, group=group, tag=i))
-        for w in works:
-            if w is not None:
-                w.wait()
 
 
 def _close_quietly(stream: Source | Sink | None) -> None:
