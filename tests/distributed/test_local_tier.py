@@ -15,6 +15,7 @@ from support import SUPPORT
 from support.local_tier_worker import expected_digest
 from support.multiproc import can_unshare_mounts, launch_ranks, on_disk
 
+from trainckpt.faults import ENV_VAR
 from trainckpt.format.local_layout import scan
 
 pytestmark = [
@@ -145,16 +146,48 @@ def test_a_part_with_no_intact_copy_falls_back_to_the_older_step(tmp_path: Path)
         ("local-writing", (1,), 2, "sync"),
         ("local-replicating", (2,), 2, "async"),
         ("local-between-phases", (0, 1, 2, 3), 2, "sync"),
-        # the survivors' markers cover every part (rank 0 holds 0 and 2, rank 3 holds 3 and
-        # 1), all durable and agreed in phase 1: step 3 is complete, though its save failed
-        ("local-between-phases", (1,), 3, "async"),
         ("local-cleanup", (0,), 3, "sync"),
     ],
 )
 def test_rank_killed_at_a_named_point_never_restores_a_torn_step(
     tmp_path: Path, point: str, killed: tuple[int, ...], survives: int, mode: str
 ):
-    job = Job(tmp_path)
+    _kill_then_restart(Job(tmp_path), point, killed, survives, mode)
+
+
+@pytest.mark.parametrize(
+    ("killed", "kept"),
+    [
+        # markers of ranks 0 (parts 0, 2), 2 (2, 0) and 3 (3, 1): every part
+        ((1,), ({3, 4}, {3, 4})),
+        # all of node 0: markers of ranks 2 (2, 0) and 3 (3, 1) on node 1: every part; node 0's
+        # unmarked copies of step 3 are leftovers there, so node 0 keeps steps 2 and 4
+        ((0, 1), ({2, 4}, {3, 4})),
+    ],
+)
+def test_a_step_whose_surviving_markers_cover_every_part_counts_though_its_save_failed(
+    tmp_path: Path, killed: tuple[int, ...], kept: tuple[set[int], set[int]]
+):
+    """Ranks die between the phases of step 3: phase 1 was agreed (every part and replica
+    durable and CRC-checked), the survivors write their markers and their save fails (a peer
+    is gone). The surviving markers cover every part, so step 3 counts and is restored
+    (README: what survives what). Markers that do not cover every part never count:
+    `test_two_crashed_attempts_at_one_step_are_never_combined`."""
+    _kill_then_restart(Job(tmp_path), "local-between-phases", killed, 3, "async", kept)
+
+
+def _kill_then_restart(
+    job: Job,
+    point: str,
+    killed: tuple[int, ...],
+    survives: int,
+    mode: str,
+    kept: tuple[set[int], set[int]] | None = None,
+) -> None:
+    """Save steps 1, 2, 3 with the ranks `killed` SIGKILLed at `point` of step 3's save; the
+    restart restores step `survives` bit-exact on every rank, then saves step 4, deleting the
+    crashed attempt's leftovers and nothing else: each disk keeps the steps `kept` (default:
+    `survives` and 4)."""
     results = job.run(
         "local_save",
         "1,2,3",
@@ -171,9 +204,30 @@ def test_rank_killed_at_a_named_point_never_restores_a_torn_step(
     for r, res in enumerate(restarted):
         assert res["step"] == survives and res["digest"] == expected_digest(r, survives), res
         assert res["latest_after"] == 4
-    for disk in job.disks:  # the crashed attempt's leftovers were deleted, nothing else
-        assert scan(disk)[1] == [], scan(disk)[1]
-        assert sorted(int(d.name[4:]) for d in disk.glob("step*")) == sorted({survives, 4})
+    for disk, steps in zip(job.disks, kept or ({survives, 4},) * 2, strict=True):
+        assert scan(disk)[1] == [], scan(disk)[1]  # the crashed attempt's leftovers are gone
+        assert sorted(int(d.name[4:]) for d in disk.glob("step*")) == sorted(steps)
+
+
+def test_a_restore_killed_while_receiving_leaves_nothing_that_counts(tmp_path: Path):
+    """Node 1 is wiped; rank 2 receives its part from rank 0 into a scratch folder and is
+    SIGKILLed after the first chunk. The torn copy is never loaded: the restart deletes it,
+    receives the part again and restores bit-exact; no scratch copy is left after a restore."""
+    job = Job(tmp_path)
+    saved = _save(job, "1")
+    shutil.rmtree(job.disks[1])
+    job.disks[1].mkdir()
+    results = job.run(
+        "local_restore", env=lambda r: {ENV_VAR: "local-replicating"} if r == 2 else {}
+    )
+    assert results[2][0] == -signal.SIGKILL, results
+    (torn,) = job.disks[1].glob("step1/*/rank2.restore.tmp")
+    assert (torn / "module.pt").stat().st_size < (
+        next(iter(job.parts(0, 1, 2))) / "module.pt"
+    ).stat().st_size
+    _assert_restored(_ok(job.run("local_restore")), saved, 1)
+    assert "received rank 2's part from rank 0" in job.log(2)
+    assert list(job.disks[1].glob("**/*.restore.tmp")) == []
 
 
 def test_two_crashed_attempts_at_one_step_are_never_combined(tmp_path: Path):

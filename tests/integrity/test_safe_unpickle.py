@@ -3,16 +3,19 @@ else ends in a `CheckpointError`: refused records, escaping storage paths, rando
 
 from __future__ import annotations
 
+import os
 import pickle
 import random
 from pathlib import Path
 
 import pytest
+import torch
+from support.hostile import Calls, shell, torch_save_bytes
 from support.models import make_module
 
 from trainckpt import CheckpointerConfig, CorruptCheckpointError, UnsafeCheckpointError
 from trainckpt.errors import CheckpointError
-from trainckpt.format.safe_unpickle import load_dcp_metadata
+from trainckpt.format.safe_unpickle import load_dcp_metadata, load_torch_plain
 
 
 @pytest.fixture(scope="module")
@@ -75,3 +78,26 @@ def test_random_damage_ends_in_a_checkpoint_error_or_the_same_data(metadata_byte
             outcome = type(e).__name__
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
     assert outcomes.get("UnsafeCheckpointError", 0) + outcomes.get("CorruptCheckpointError", 0)
+
+
+def test_a_memory_mapped_file_loads_and_is_refused_as_its_bytes_are(tmp_path: Path):
+    """`load_torch_plain` of a path (memory-mapped): the same values as from the bytes, a
+    hostile file refused with nothing run, a torn one reported as damaged."""
+    state = {"w": torch.arange(10_000, dtype=torch.float32), "n": 3, "nested": {"b": [1, 2]}}
+    good = tmp_path / "good.pt"
+    good.write_bytes(torch_save_bytes(state))
+    mapped = load_torch_plain(good, "good")
+    assert torch.equal(mapped["w"], state["w"]) and mapped["n"] == 3
+    assert mapped["nested"] == {"b": [1, 2]}
+
+    marker = tmp_path / "ran"
+    hostile = tmp_path / "hostile.pt"
+    hostile.write_bytes(torch_save_bytes({"w": Calls(os.system, shell(marker))}))
+    with pytest.raises(UnsafeCheckpointError, match="hostile"):
+        load_torch_plain(hostile, "hostile")
+    assert not marker.exists()
+
+    torn = tmp_path / "torn.pt"
+    torn.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(CorruptCheckpointError, match="torn is damaged"):
+        load_torch_plain(torn, "torn")

@@ -5,20 +5,23 @@ coverage vote finds the newest step the live ranks can assemble.
 Save (all ranks, the checkpointer's CPU group; the layout is `format/local_layout.py`):
 1. Rank 0 picks an attempt id. Each rank writes its part (module state, trainer state, then
    `part.json` with sizes and CRC32C), each file and folder fsynced.
-2. Each part is sent in chunks (`local_transfer.py`) to `replication_factor - 1` holders on
-   other disks, `replication_jump` ranks apart; each holder writes it durably and checks every
-   CRC32C against the owner's `part.json`. The ranks agree that every part and replica is
-   durable and intact (phase 1).
+2. Each part is sent in pipelined chunks (`local_transfer.py`) to `replication_factor - 1`
+   holders on other disks, `replication_jump` ranks apart; each holder writes it durably (past
+   the page cache where it can) and checks every CRC32C against the owner's `part.json`. The
+   ranks agree that every part and replica is durable and intact (phase 1).
 3. Only then each rank writes its commit marker naming step, attempt and the parts it holds
    (phase 2), and the ranks agree again: the save is committed.
 4. One rank per disk deletes steps beyond `keep`, markers first.
 
 Restore: every rank reports what its disk holds; the newest (step, attempt) whose every owner
 rank's part is held by some live rank wins, the same answer everywhere. Each rank reads its own
-part from its disk when present and intact (CRC32C-checked), otherwise receives it from a holder
-on another disk; a bad copy falls back to the next holder, and a step that cannot be assembled
-to an older one (`restore_latest`). Parts are found by owner rank, never by node: ranks that
-restart on other nodes still restore. Nothing read is ever unpickled but by `load_torch_plain`.
+part from its disk when present and intact (CRC32C-checked in chunks), otherwise receives it
+from a holder on another disk into a scratch folder on its own disk (every byte checked as it
+is written); the module file is then memory-mapped, so no rank holds a whole part in memory
+besides the module it loads into. A bad copy falls back to the next holder, and a step that
+cannot be assembled to an older one (`restore_latest`). Parts are found by owner rank, never by
+node: ranks that restart on other nodes still restore. Nothing read is ever unpickled but by
+`load_torch_plain`.
 """
 
 from __future__ import annotations
@@ -58,14 +61,15 @@ from trainckpt.format.local_layout import (
     part_dir,
     read_local_record,
     read_node_id,
+    restore_dir,
     scan,
     step_dirs,
     write_local_record,
 )
 from trainckpt.format.safe_unpickle import load_torch_plain
 from trainckpt.format.trainer_state import deserialize_trainer_state
-from trainckpt.storage.checksummed_file import checksummed_file, crc32c_extend
-from trainckpt.storage.checksums import FileEntry
+from trainckpt.storage.checksummed_file import ChecksummedWriter, checksummed_file
+from trainckpt.storage.checksums import FileEntry, crc32c_file
 from trainckpt.storage.direct_file import DirectWriter, direct_file
 from trainckpt.storage.local import fsync_dir, writing
 
@@ -326,25 +330,27 @@ class LocalTier:
                 "latest_local() to find one, or load from the save folder"
             )
         attempt = attempts[0]
-        where = part_dir(self.root, step, attempt, rank)
-        data: dict[str, bytes] | None = None
+        own = part_dir(self.root, step, attempt, rank)
+        got: tuple[Path, LocalPart] | None = None
         try:
-            data = self._read_own(step, attempt)
+            got = own, _check_folder(own)
         except FileNotFoundError:
             log.info("local tier: rank %d's part of step %d is not on this disk", rank, step)
         except Exception as e:  # any failure of this rank's read: the others go on below
             log.warning("local tier: own copy of rank %d's part is unusable: %s", rank, e)
-        data = self._receive_missing(step, attempt, data)
         error: Exception | None = None
         state: dict[str, Any] = {}
         trainer: dict[str, Any] = {}
         try:
-            state = load_torch_plain(data[MODULE_FILE], f"'{where / MODULE_FILE}'")
-            trainer = deserialize_trainer_state(data[TRAIN_FILE], str(where / TRAIN_FILE))
-            if not isinstance(state, dict):
-                raise CorruptCheckpointError(f"'{where / MODULE_FILE}' holds no state dict")
-        except Exception as e:
-            error = e
+            folder, part = self._receive_missing(step, attempt, got)
+            try:
+                state, trainer = _load_part(folder, part)
+            except Exception as e:
+                error = e
+        finally:  # a received copy is only read once; its mapped pages stay readable
+            scratch = restore_dir(self.root, step, attempt, rank)
+            if scratch.exists():
+                _remove_quietly(scratch)
         _agree_corrupt(error, f"reading local checkpoint step {step}", self.group)
         log.info(
             "restored rank %d's part of local checkpoint step %d (attempt %s) in %.2fs",
@@ -369,36 +375,24 @@ class LocalTier:
             return step, state, trainer
         return None
 
-    def _read_own(self, step: int, attempt: str) -> dict[str, bytes]:
-        """This rank's part from this disk, each file checked against `part.json`."""
-        folder = part_dir(self.root, step, attempt, dist.get_rank(self.group))
-        if not (folder / PART_FILE).exists():
-            raise CheckpointNotFoundError(f"'{folder}' does not exist")
-        part = read_local_record(folder / PART_FILE, LocalPart)
-        out = {}
-        for name in PART_FILES:
-            entry = part.files[name]
-            with open(folder / name, "rb") as f:
-                data = f.read(entry.size + 1)
-            _check(data, entry, str(folder / name))
-            out[name] = data
-        return out
-
     def _receive_missing(
-        self, step: int, attempt: str, data: dict[str, bytes] | None
-    ) -> dict[str, bytes]:
-        """Fill in the parts ranks could not read from their own disk, from holders on other
-        disks, one holder per round until every part is intact or some part has no holder left.
-        Called on: all ranks."""
+        self, step: int, attempt: str, got: tuple[Path, LocalPart] | None
+    ) -> tuple[Path, LocalPart]:
+        """The folder (and record) to load this rank's part from: `got`, the own copy checked
+        intact, or else a copy received from a holder on another disk into `restore_dir` (in
+        chunks, every byte CRC32C-checked against the holder's record as it is written; memory
+        is the transfer's chunk buffers, not the part). One holder per round until every
+        rank's part is intact or some part has no holder left. Called on: all ranks."""
         rank = dist.get_rank(self.group)
         records = self._part_records(step, attempt)
         tried: dict[int, set[int]] = {}
+        scratch = restore_dir(self.root, step, attempt, rank)
         while True:
-            need = dist.all_gather_object(data is None, self.group)
+            need = dist.all_gather_object(got is None, self.group)
             needy = [r for r, n in enumerate(need) if n]
             if not needy:
-                assert data is not None
-                return data
+                assert got is not None
+                return got
             transfers, lost = [], []
             for owner in needy:
                 seen = tried.setdefault(owner, set())
@@ -419,12 +413,12 @@ class LocalTier:
                     f"intact copy left of the parts of ranks {lost} (see the warnings above); "
                     "an older step or the save folder must be used"
                 )
-            sinks: dict[int, _MemorySink] = {}
 
-            def open_sink(t: Transfer, sinks: dict[int, _MemorySink] = sinks) -> Sink:
+            def open_sink(t: Transfer) -> Sink:
+                if scratch.exists():  # what a failed copy (or a crashed restore) left
+                    _remove(scratch)
                 expected = next(p for h, p in records[t.owner] if h == t.src)
-                sinks[t.src] = _MemorySink(expected, f"rank {t.src}'s copy of rank {rank}'s part")
-                return sinks[t.src]
+                return _PartWriter(self.root, scratch, expected, durable=False)
 
             failures = exchange(
                 transfers,
@@ -439,7 +433,7 @@ class LocalTier:
                 log.warning("local tier: copying rank %d's part failed: %s", transfers[i].owner, e)
             for i, t in enumerate(transfers):
                 if t.dst == rank and i not in failures:
-                    data = sinks[t.src].data
+                    got = scratch, next(p for h, p in records[t.owner] if h == t.src)
                     log.info("local tier: received rank %d's part from rank %d", rank, t.src)
 
     def _part_records(self, step: int, attempt: str) -> dict[int, list[tuple[int, LocalPart]]]:
@@ -534,25 +528,35 @@ class _Splitter:
 
 
 class _PartWriter:
-    """A replica received from its owner: each file written durably with its CRC32C, checked
-    against the owner's record, then the record written (last) and the folders fsynced."""
+    """A part received from a holder, each file's CRC32C computed from the bytes as they
+    arrive and checked against the sender's record at the end. `durable`: a replica (files
+    written past the page cache and fsynced, then the record written last and the folders
+    fsynced); else a copy to restore from at once (through the page cache, no fsync, no
+    record: it is read right after and deleted)."""
 
-    def __init__(self, root: Path, folder: Path, part: LocalPart) -> None:
+    def __init__(self, root: Path, folder: Path, part: LocalPart, *, durable: bool = True) -> None:
         self._root, self._folder, self._split = root, folder, _Splitter(part)
+        self._durable = durable
         with writing(folder):
             folder.mkdir(parents=True)
         self._stack = ExitStack()
-        self._writer: DirectWriter | None = None
+        self._writer: DirectWriter | ChecksummedWriter | None = None
         self._entries: dict[str, FileEntry] = {}
 
     def write(self, data: memoryview) -> None:
         for name, piece, done in self._split.pieces(data):
-            if self._writer is None:
-                self._writer = self._stack.enter_context(direct_file(self._folder / name))
-            self._writer.write(piece)
+            writer = self._writer
+            if writer is None:
+                path = self._folder / name
+                if self._durable:
+                    writer = self._stack.enter_context(direct_file(path))
+                else:
+                    writer = self._stack.enter_context(checksummed_file(path, fsync=False))
+                self._writer = writer
+            writer.write(piece)
             if done:
-                self._stack.close()  # the tail written, fsynced
-                self._entries[name] = self._writer.entry()
+                self._stack.close()  # the tail written (and fsynced when durable)
+                self._entries[name] = writer.entry()
                 self._writer = None
 
     def close(self) -> None:
@@ -562,30 +566,35 @@ class _PartWriter:
         part = self._split.part
         for name in PART_FILES:
             _check_entry(self._entries.get(name), part.files[name], str(self._folder / name))
-        write_local_record(self._folder / PART_FILE, part)
-        _fsync_up_to(self._folder, self._root)
+        if self._durable:
+            write_local_record(self._folder / PART_FILE, part)
+            _fsync_up_to(self._folder, self._root)
 
 
-class _MemorySink:
-    """A part received for a restore, kept in memory (it is loaded right after), each file's
-    CRC32C computed as it arrives and checked against the sender's record at the end."""
+def _check_folder(folder: Path) -> LocalPart:
+    """The record of the part in `folder`, after every file of it was read in chunks and
+    matched its size and CRC32C (`CheckpointNotFoundError` when there is no part there)."""
+    if not (folder / PART_FILE).exists():
+        raise CheckpointNotFoundError(f"'{folder}' does not exist")
+    part = read_local_record(folder / PART_FILE, LocalPart)
+    for name in PART_FILES:
+        _check_entry(crc32c_file(folder / name), part.files[name], str(folder / name))
+    return part
 
-    def __init__(self, part: LocalPart, what: str) -> None:
-        self._split, self._what = _Splitter(part), what
-        self._bufs: dict[str, bytearray] = {name: bytearray() for name in PART_FILES}
-        self._crcs: dict[str, int] = dict.fromkeys(PART_FILES, 0)
-        self.data: dict[str, bytes] = {}
 
-    def write(self, data: memoryview) -> None:
-        for name, piece, _done in self._split.pieces(data):
-            self._bufs[name] += piece
-            self._crcs[name] = crc32c_extend(self._crcs[name], piece)
-
-    def close(self) -> None:
-        for name in PART_FILES:
-            got = FileEntry(size=len(self._bufs[name]), crc32c=f"{self._crcs[name]:08x}")
-            _check_entry(got, self._split.part.files[name], f"{self._what} ({name})")
-        self.data = {name: bytes(buf) for name, buf in self._bufs.items()}
+def _load_part(folder: Path, part: LocalPart) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The module state and trainer state of a part whose files were checked: the module file
+    memory-mapped (its tensors are views of the file's pages, so a part of any size needs no
+    memory of its size until it is copied into the module), the small trainer file read and
+    checked once more as the bytes that are unpickled."""
+    state = load_torch_plain(folder / MODULE_FILE, f"'{folder / MODULE_FILE}'")
+    if not isinstance(state, dict):
+        raise CorruptCheckpointError(f"'{folder / MODULE_FILE}' holds no state dict")
+    entry = part.files[TRAIN_FILE]
+    with open(folder / TRAIN_FILE, "rb") as f:
+        data = f.read(entry.size + 1)
+    _check(data, entry, str(folder / TRAIN_FILE))
+    return state, deserialize_trainer_state(data, str(folder / TRAIN_FILE))
 
 
 def _check(data: bytes, entry: FileEntry, where: str) -> None:

@@ -11,6 +11,7 @@ replication").
         train.pt                the rank's trainer state (torch.save of plain data)
         part.json               written last: owner, step, attempt, world size, size + CRC32C
       commit.rank{H}.json       phase-2 marker of holder rank H: the parts H holds here
+      rank{R}.restore.tmp/      while restoring: rank R's part received from a holder
 ```
 
 A part counts only where a commit marker of its own attempt, in the same attempt folder, lists
@@ -71,6 +72,12 @@ def attempt_dir(root: Path, step: int, attempt: str) -> Path:
 
 def part_dir(root: Path, step: int, attempt: str, owner: int) -> Path:
     return attempt_dir(root, step, attempt) / f"rank{owner}"
+
+
+def restore_dir(root: Path, step: int, attempt: str, owner: int) -> Path:
+    """Where owner rank `owner` receives its part from a holder to restore it (a `.tmp` entry:
+    a leftover if a crash leaves it)."""
+    return attempt_dir(root, step, attempt) / f"rank{owner}.restore.tmp"
 
 
 def commit_file(root: Path, step: int, attempt: str, holder: int) -> Path:

@@ -29,6 +29,7 @@ import struct
 import threading
 import zipfile
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -246,13 +247,22 @@ def _materialize(obj: Any, seen: set[int]) -> Any:
     return obj
 
 
-def _damaged_container(data: bytes) -> str | None:
-    """Why `data` is not an intact `torch.save` file (a zip whose CRCs match, or a legacy
-    pickle stream), or None. An intact file that does not load was refused, not damaged."""
-    if data[:2] != b"PK":
-        return None if data[:1] == b"\x80" else "not a torch.save file"
+def _damaged_container(data: bytes | Path) -> str | None:
+    """Why `data` (bytes, or a file) is not an intact `torch.save` file (a zip whose CRCs
+    match, or a legacy pickle stream), or None. An intact file that does not load was refused,
+    not damaged."""
+    if isinstance(data, Path):
+        try:
+            with open(data, "rb") as f:
+                head = f.read(2)
+        except OSError as e:
+            return f"unreadable ({e})"
+    else:
+        head = data[:2]
+    if head != b"PK":
+        return None if head[:1] == b"\x80" else "not a torch.save file"
     try:
-        with zipfile.ZipFile(io.BytesIO(data)) as z:
+        with zipfile.ZipFile(io.BytesIO(data) if isinstance(data, bytes) else data) as z:
             bad = z.testzip()
             if bad is not None:
                 return f"zip member {bad} fails its CRC"
@@ -263,15 +273,20 @@ def _damaged_container(data: bytes) -> str | None:
     return None
 
 
-def load_torch_plain(data: bytes, where: str) -> Any:
+def load_torch_plain(data: bytes | Path, where: str) -> Any:
     """What `torch.save` wrote into `data`, loaded with PyTorch's `weights_only` unpickler plus
     the numpy stand-ins: tensors, plain containers and scalars, numpy arrays/scalars/dtypes of
     plain dtypes. Raises `UnsafeCheckpointError` for anything else and `CorruptCheckpointError`
     for a damaged file (`where`, the quoted file or value, names it); nothing from it is ever
-    run. Called on: any rank, for its own files."""
+    run. A `Path` is memory-mapped (`mmap=True`): its tensors are views of the file's pages,
+    not copies, so loading needs no memory of the file's size; the caller checks the file
+    first. Called on: any rank, for its own files."""
+    source: Any = str(data) if isinstance(data, Path) else io.BytesIO(data)
     try:
         with _TORCH_LOAD_LOCK, torch.serialization.safe_globals(_TORCH_EXTRA_GLOBALS):
-            obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+            obj = torch.load(
+                source, weights_only=True, map_location="cpu", mmap=isinstance(data, Path)
+            )
         return _materialize(obj, set())
     except Exception as e:
         reason = f"{type(e).__name__}: {_first_line(e)}"
