@@ -430,7 +430,12 @@ class LocalTier:
                 open_sink=open_sink,
             )
             for i, e in failures.items():
-                log.warning("local tier: copying rank %d's part failed: %s", transfers[i].owner, e)
+                log.warning(
+                    "local tier: copying rank %d's part from rank %d failed: %s",
+                    transfers[i].owner,
+                    transfers[i].src,
+                    e,
+                )
             for i, t in enumerate(transfers):
                 if t.dst == rank and i not in failures:
                     got = scratch, next(p for h, p in records[t.owner] if h == t.src)
