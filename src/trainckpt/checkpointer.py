@@ -3,7 +3,6 @@ inspection classmethods delegate to `format.folder` and `format.verify`."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
@@ -203,9 +202,7 @@ class Checkpointer:
             if overlap_staging:
                 staged = self._stage_in_background(req, state, staging, mark)
             staged_at = time.perf_counter()
-            files = self._training_files(req, train_module, trainer_bytes, staged)
-            if self.async_writer == "process":
-                files = dataclasses.replace(files, shard_writer=self._writer_process())
+            files = self._training_files(req, train_module, trainer_bytes, staged, background=True)
             path = save_checkpoint(req, files)
             self._log_saved(path, start, start if overlap_staging else staged_at)
             return path
@@ -394,9 +391,17 @@ class Checkpointer:
         )
 
     def _training_files(
-        self, req: SaveRequest, train_module: TrainModule, trainer_bytes: bytes, state: dict
+        self,
+        req: SaveRequest,
+        train_module: TrainModule,
+        trainer_bytes: bytes,
+        state: dict,
+        *,
+        background: bool = False,
     ) -> TrainingFiles:
-        """What each rank writes for a save of `train_module` (`rank_write.py`)."""
+        """What each rank writes for a save of `train_module` (`rank_write.py`); a `background`
+        (async) save's shards go through the writer process when `async_writer="process"`."""
+        process = background and self.async_writer == "process"
         return TrainingFiles(
             trainer_state=trainer_bytes,
             model_state=state,
@@ -404,6 +409,7 @@ class Checkpointer:
             dcp_dir=layout.dcp_dirname(req.storage.name(req.dir)),
             group=self.process_group,
             thread_count=self.save_thread_count or _default_threads(),
+            shard_writer=self._writer_process() if process else None,
         )
 
     def _log_saved(self, path: str, start: float, unblocked: float) -> None:
