@@ -37,7 +37,7 @@ from trainckpt.format.verify import (
     newest_good,
     verify_checkpoint,
 )
-from trainckpt.storage import StorageOptions, resolve
+from trainckpt.storage import Storage, StorageOptions, resolve
 from trainckpt.storage.local import writing
 from trainckpt.train_module import TrainModule
 
@@ -98,6 +98,8 @@ class Checkpointer:
         if self.async_writer == "process":
             self._writer_process().start()  # its start-up overlaps the trainer's
         self._lock = threading.Lock()
+        self._loaded: tuple[Storage, str, int] | None = None
+        """(storage, folder, step) of the last checkpoint loaded, until the next save."""
         self._local = (
             None
             if self.local_dir is None
@@ -376,6 +378,7 @@ class Checkpointer:
         storage, path = resolve(dir, self._storage_options)
         if not storage.writable:
             raise ConfigurationError(f"cannot save to '{path}': that storage is read-only")
+        self._abandon_after_rollback(storage, path)
         return SaveRequest(
             storage=storage,
             dir=path,
@@ -460,13 +463,35 @@ class Checkpointer:
             pre_download=self.pre_download,
             thread_count=self.load_thread_count or _default_threads(),
         )
-        return load_checkpoint(
+        state = load_checkpoint(
             req,
             train_module,
             load_trainer_state=load_trainer_state,
             load_optim_state=load_optim_state,
             reset_optimizer_states_on_load=reset_optimizer_states_on_load,
             exclude=exclude,
+        )
+        step = layout.parse_step(storage.name(path))
+        self._loaded = None if step is None else (storage, storage.parent(path), step)
+        return state
+
+    def _abandon_after_rollback(self, storage: Storage, dir: str) -> None:
+        """Before the first save after a load: when the save goes into the folder the loaded
+        checkpoint came from, the run resumed there, and that folder's checkpoints newer than
+        the loaded one are abandoned (DESIGN §11, `folder.abandon_newer`), so no finder
+        reports them again and this run's saves of those steps replace them. (OLMo-core's
+        Trainer loads and saves through this class; `CheckpointManager` abandons them already
+        at resume.) Called on: all ranks."""
+        loaded, self._loaded = self._loaded, None
+        if loaded is None or type(loaded[0]) is not type(storage):
+            return
+        _, folder, step = loaded
+        if storage.parent(dir) != folder:
+            return
+        dist.run_on_rank0(
+            lambda: save_folder.abandon_newer(storage, folder, step),
+            f"abandoning the checkpoints newer than step {step} in '{folder}'",
+            self.process_group,
         )
 
     # -- the node-local tier (DESIGN §9, README "Local checkpoints and replication") -----------

@@ -35,6 +35,11 @@ LOCAL_POINTS = (  # the node-local tier (core/local_tier.py)
 )
 """Points of the node-local tier's save (`local-cleanup`: only when a step is deleted)."""
 
+REPLACE_POINTS = (  # only saves that replace an old folder of their step (core/commit.py)
+    "replacing",  # rank 0, the old folder moved aside to `<dir>-replaced`, `-tmp` not renamed
+)
+"""Points of a save over an old folder of its step (overwritten, abandoned by a rollback)."""
+
 WRITER_POINTS = (  # the writer process of async saves (core/writer_process.py)
     "writer-process-writing",  # the writer process wrote the first item of a shard file
 )
@@ -62,7 +67,7 @@ def fault_point(name: str) -> None:
 def on_fault_point(name: str, hook: Callable[[], None]) -> Iterator[None]:
     """Test-only: run `hook` in this process each time the protocol reaches point `name`
     (e.g. delete a working folder at a known moment), until the block ends."""
-    known = POINTS + LOCAL_POINTS + WRITER_POINTS
+    known = POINTS + REPLACE_POINTS + LOCAL_POINTS + WRITER_POINTS
     if name not in known:
         raise ValueError(f"unknown fault point {name!r}; known: {known}")
     _hooks[name] = hook

@@ -2,6 +2,10 @@
 what to save, saves (sync or async, at most one async save in flight), and once a save is
 committed has old checkpoints deleted on a background thread.
 
+Rollback rule (DESIGN §11): the committed steps of a save folder are one trajectory; once a
+run starts from an older step, the newer checkpoints are abandoned and the run's own saves of
+those steps replace them.
+
 Failure rule: a failed save deletes nothing (deletion rounds start only from a committed save),
 is logged when it happens, and is raised as `CheckpointError` by the next call that saves
 (`maybe_save` on a save step, `save`) or by `finish()`, whichever comes first. Raising only at
@@ -25,7 +29,7 @@ from trainckpt.checkpointer import Checkpointer
 from trainckpt.core import dist
 from trainckpt.errors import CheckpointError, ConfigurationError, CorruptCheckpointError
 from trainckpt.format import layout
-from trainckpt.format.folder import checkpoint_size, find_checkpoints
+from trainckpt.format.folder import abandon_newer, checkpoint_size, find_checkpoints
 from trainckpt.retention.policy import CheckpointPolicy, SaveKind
 from trainckpt.retention.remover import Remover
 from trainckpt.storage import resolve
@@ -51,9 +55,11 @@ class CheckpointManager:
     """Drives checkpointing of one training run into `save_folder` (local path or URL), in
     step folders named by `naming` (`step1000`, or torchtitan's `step-1000`).
 
-    Build it on every rank after resuming, then call `maybe_save(step, ...)` after every
-    finished step (and once with step 0 before training, for the pre-train checkpoint), `save`
-    for an explicit checkpoint (end of training, SIGTERM), and `finish()` at the end.
+    Build it on every rank, `resume` (or `start_from` the step you loaded yourself), then call
+    `maybe_save(step, ...)` after every finished step (and once with step 0 before training,
+    for the pre-train checkpoint), `save` for an explicit checkpoint (end of training,
+    SIGTERM), and `finish()` at the end. A run that resumes from an older step than the newest
+    abandons the newer ones (`start_from`, docs/rollback.md).
 
     Called on: all ranks (construction reads the folder on rank 0 and shares what it found).
     """
@@ -79,8 +85,11 @@ class CheckpointManager:
             self._group,
         )
         self._saved: dict[int, str] = dict(steps)
+        """Steps saved (or being saved) by this run, and those of the folder up to the step it
+        resumed from once `start_from` ran: a save of one of them is only waited for."""
         self._last_saved: int | None = None
         self._started = False
+        self._start: int | None = None
         self._pending: _Save | None = None
         self._in_flight: Future[str] | None = None
         self._remover = (
@@ -106,9 +115,7 @@ class CheckpointManager:
         Called on: all ranks, after every finished step.
         """
         if not self._started:
-            # The newest checkpoint at or before the first step seen (the one resumed from).
-            self._started = True
-            self._last_saved = max((s for s in self._saved if s <= step), default=None)
+            self.start_from(step)  # no `resume`, no `start_from`: the first step seen
         kind = self.policy.decide(step, self._last_saved)
         if kind is None:
             return None
@@ -123,17 +130,46 @@ class CheckpointManager:
         ephemeral: bool = False,
     ) -> str:
         """Save a checkpoint of `step` now and wait until it is committed (e.g. at the end of
-        training or on SIGTERM); a step already saved (or in flight), of whatever kind, is only
-        waited for, so a trainer's final save should not follow `maybe_save` of the same step.
-        Returns its path.
+        training or on SIGTERM); a step this run already saved (or has in flight), or the one
+        it resumed from, of whatever kind, is only waited for, so a trainer's final save should
+        not follow `maybe_save` of the same step. Returns its path.
 
         Called on: all ranks.
         """
+        if not self._started:
+            self.start_from(step)
         kind = SaveKind.EPHEMERAL if ephemeral else SaveKind.PERMANENT
         path = self._save(step, train_module, train_state, kind, save_async=False)
         if self._pending is not None and self._pending.step == step:
             self._collect_pending()
         return path
+
+    def start_from(self, step: int | None) -> list[int]:
+        """Settle where this run's trajectory starts: it resumed from `step` (None: from
+        scratch). Committed checkpoints of newer steps are abandoned (DESIGN §11, logged as a
+        WARNING naming them): no finder reports them again, and each is replaced, crash-safe,
+        when the run saves that step. Returns the abandoned steps.
+
+        `resume` calls it; call it yourself, before the first save, when you load a checkpoint
+        by other means. Without it the first step passed to `maybe_save` or `save` is taken as
+        the step resumed from. Called on: all ranks (rank 0 reads and marks the folder).
+        """
+        if self._started:
+            raise CheckpointError(
+                f"the CheckpointManager of '{self.save_folder}' has started already (from step "
+                f"{self._start}); call start_from before the first save, once"
+            )
+        self._started, self._start = True, step
+        since = -1 if step is None else step
+        abandoned = dist.run_on_rank0(
+            lambda: abandon_newer(*resolve(self.save_folder), since),
+            f"abandoning the checkpoints newer than step {since} in '{self.save_folder}'",
+            self._group,
+        )
+        for s, _ in abandoned:
+            self._saved.pop(s, None)
+        self._last_saved = max((s for s in self._saved if s <= since), default=None)
+        return [s for s, _ in abandoned]
 
     def save_final(self, step: int, train_module: TrainModule, train_state: TrainState) -> str:
         """Save the last checkpoint of the run, permanent, as the policy's `final_save` says:
@@ -159,7 +195,8 @@ class CheckpointManager:
         newest good checkpoint of the save folder, or the local tier's newest step the live
         ranks can assemble when it is newer (falling back to the save folder when that step
         cannot be restored, logged). Returns (step, this rank's trainer state), or None when
-        neither tier has one. Call it before the first `maybe_save`.
+        neither tier has one. Call it before the first `maybe_save`. Checkpoints newer than
+        the one loaded (damaged ones it skipped) are abandoned (`start_from`).
 
         Called on: all ranks.
         """
@@ -179,12 +216,16 @@ class CheckpointManager:
                     log.info(
                         "resuming from the local tier, step %d (save folder: %s)", local, saved
                     )
+                    self.start_from(local)
                     return local, state
         if path is None or saved is None:
+            self.start_from(None)
             return None
         log.info("resuming from '%s' (step %d)", path, saved)
         self.resumed_from = path
-        return saved, self.checkpointer.load(path, train_module)
+        state = self.checkpointer.load(path, train_module)
+        self.start_from(saved)
+        return saved, state
 
     def wait_for_staging(self) -> None:
         """Block until the state of the last background save is copied to CPU memory (with

@@ -36,6 +36,27 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
+def _is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+_PLAIN = (type(None), bool, int, float, str, bytes, torch.Tensor)
+
+
+def _is_plain(obj: Any) -> bool:
+    """A value DCP saves as it is and the safe loaders read back: a tensor, None, a number, a
+    string, bytes, or lists, tuples and string-keyed dicts of those."""
+    if isinstance(obj, _PLAIN):
+        return True
+    if isinstance(obj, (list, tuple)):
+        return all(_is_plain(v) for v in obj)
+    if isinstance(obj, dict):
+        return all(isinstance(k, str) and _is_plain(v) for k, v in obj.items())
+    return False
+
+
 def _unwrap(part: torch.nn.Module) -> torch.nn.Module:
     """The module whose `state_dict` keys are the model's own names: DDP and `torch.compile`
     wrappers add a prefix (`module.`, `_orig_mod.`); FSDP2 adds none."""
@@ -62,8 +83,12 @@ class ModelAndStates:
     - `model`: one module or a list of parts; their `state_dict()` keys are merged and must be
       unique across parts. Saved at the top level of the DCP state, loaded back into each part
       with its own keys (strict), so a checkpoint of N parts loads into any other split.
-    - `states`: name -> object with `state_dict()`/`load_state_dict()` (None entries are left
-      out). Each is saved under its name; a name must not collide with a model key.
+    - `states`: name -> object with `state_dict()`/`load_state_dict()`, or a plain value (a
+      tensor, None, a number, a string, or lists and dicts of those), as torchtitan's manager
+      takes them. Each is saved under its name, a plain value as it is (a `dataloader=None`
+      entry too, so torchtitan's manager finds the key it expects); a name must not collide with
+      a model key. On load a tensor is filled in place; another plain value is replaced in
+      `states` (torchtitan restores neither: it loads them into a copy).
     - `optim_keys`: the states that `load(..., load_optim_state=False)` leaves alone (and that a
       step-0 seed checkpoint lacks). Default `("optimizer",)`.
     - `per_rank`: states whose value differs by rank with the same keys on every rank (a plain
@@ -82,7 +107,7 @@ class ModelAndStates:
     def __init__(
         self,
         model: torch.nn.Module | Sequence[torch.nn.Module],
-        states: Mapping[str, Stateful | None] | None = None,
+        states: Mapping[str, Any] | None = None,
         *,
         optim_keys: Sequence[str] = ("optimizer",),
         per_rank: Sequence[str] = (),
@@ -93,23 +118,23 @@ class ModelAndStates:
         )
         if not self.parts:
             raise ConfigurationError("ModelAndStates needs at least one model part")
-        self.states: dict[str, Stateful] = {
-            k: v for k, v in (states or {}).items() if v is not None
-        }
+        self.states: dict[str, Any] = dict(states or {})
         self.optim_keys = tuple(optim_keys)
         self.per_rank = tuple(per_rank)
         self.rank = dist.get_rank() if rank is None else rank
         for name, obj in self.states.items():
-            if not callable(getattr(obj, "state_dict", None)) or not callable(
-                getattr(obj, "load_state_dict", None)
-            ):
+            if not _is_stateful(obj) and not _is_plain(obj):
                 raise ConfigurationError(
-                    f"state '{name}' ({type(obj).__name__}) has no state_dict/load_state_dict; "
-                    "pass objects that DCP calls Stateful"
+                    f"state '{name}' ({type(obj).__name__}) has no state_dict/load_state_dict "
+                    "and is no plain value; pass objects that DCP calls Stateful, tensors, or "
+                    "plain data (None, numbers, strings, lists and dicts of them)"
                 )
         unknown = sorted(set(self.per_rank) - set(self.states))
         if unknown:
             raise ConfigurationError(f"per_rank names {unknown}, which are not among the states")
+        plain = sorted(n for n in self.per_rank if not _is_stateful(self.states[n]))
+        if plain:
+            raise ConfigurationError(f"per_rank names {plain}, which are not Stateful objects")
         self._check_names()
 
     def _part_keys(self) -> list[list[str]]:
@@ -143,7 +168,10 @@ class ModelAndStates:
 
     # -- TrainModule ----------------------------------------------------------------------------
     def _state_of(self, name: str) -> Any:
-        state = self.states[name].state_dict()
+        obj = self.states[name]
+        if not _is_stateful(obj):
+            return obj  # a plain value is saved (and loaded into) as it is
+        state = obj.state_dict()
         if name in self.per_rank:
             return {f"rank{self.rank}": state}
         return state
@@ -196,6 +224,13 @@ class ModelAndStates:
             if name not in state_dict:
                 continue
             value = state_dict[name]
+            if not _is_stateful(obj):
+                if isinstance(obj, torch.Tensor) and isinstance(value, torch.Tensor):
+                    if value is not obj:
+                        obj.copy_(value)
+                else:
+                    self.states[name] = value
+                continue
             if name in self.per_rank:
                 value = next(iter(value.values()))
             check_plain_pickles(value, name)

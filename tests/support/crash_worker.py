@@ -145,6 +145,38 @@ def run(
         dist.destroy_process_group()
 
 
+def rollback_run(
+    folder: str,
+    work_dir: str,
+    resume_step: int,
+    last_step: int,
+    fault: str | None = None,
+    fault_step: int | None = None,
+    ready: Event | None = None,
+) -> None:
+    """Roll back: load `folder/step{resume_step}` (of a run that went further), tell a
+    `CheckpointManager` so (`start_from`), then train and save every step up to `last_step`,
+    each trainer state marked `"trajectory": "new"`. With `fault`, that fault point kills this
+    process during the save of `fault_step`."""
+    from trainckpt import CheckpointManager, CheckpointPolicy
+
+    torch.set_num_threads(1)
+    ckpt = CheckpointerConfig(work_dir=work_dir, fs_timeout=20).build()
+    driver = CheckpointManager(ckpt, CheckpointPolicy(save_interval=1, remove="never"), folder)
+    module = new_module()
+    ckpt.load(f"{folder}/{Checkpointer.checkpoint_dirname(resume_step)}", module)
+    driver.start_from(resume_step)
+    if ready is not None:
+        ready.set()
+    for step in range(resume_step + 1, last_step + 1):
+        train_step(module, step)
+        if step == fault_step and fault is not None:
+            os.environ[ENV_VAR] = fault
+        driver.save(step, module, {**trainer_state(step), "trajectory": "new"})
+    driver.finish()
+    ckpt.close()
+
+
 def save_once(
     url: str,
     work_dir: str,

@@ -38,8 +38,16 @@ from trainckpt.errors import (
     SharedFolderError,
 )
 from trainckpt.faults import fault_point
-from trainckpt.format.folder import delete_step_folder, is_committed
-from trainckpt.format.layout import CLAIM_FILE, MANIFEST_FILE, METADATA_FILE, target_name, tmp_name
+from trainckpt.format.folder import delete_step_folder, is_abandoned, is_committed
+from trainckpt.format.layout import (
+    ABANDONED_FILE,
+    CLAIM_FILE,
+    MANIFEST_FILE,
+    METADATA_FILE,
+    replaced_name,
+    target_name,
+    tmp_name,
+)
 from trainckpt.format.records import CheckpointManifest, CheckpointMetadata
 from trainckpt.storage import Storage
 from trainckpt.storage.checksums import FileEntry
@@ -182,19 +190,7 @@ def _write_and_rename(req: SaveRequest, files: RankFiles, tmp: str, token: str) 
     def commit() -> None:
         storage.delete_files([storage.join(tmp, PROBE_PREFIX + token)])
         _write_records(req, tmp, parts)  # checks that `-tmp` holds exactly `parts` first
-        if req.overwrite and os.path.lexists(storage.local_path(dir)):
-            # save_overwrite of a committed checkpoint: the new one is complete; only now
-            # does the old one go, commit record first.
-            delete_step_folder(storage, dir)
-        fault_point("before-rename")
-        try:
-            storage.rename_dir(tmp, dir)
-        except CheckpointExistsError as e:
-            raise CheckpointExistsError(
-                f"'{dir}' appeared while this save was writing (a writer that does not take "
-                f"trainckpt's lock of the step); this save committed nothing: {e}"
-            ) from e
-        fault_point("after-rename")
+        _swap_in(storage, tmp, dir)
 
     dist.run_on_rank0(commit, f"committing '{dir}'", group)
 
@@ -206,6 +202,31 @@ def _write_and_rename(req: SaveRequest, files: RankFiles, tmp: str, token: str) 
             "to appear after rank 0 committed it; the shared filesystem is lagging or not shared"
         )
     return dir
+
+
+def _swap_in(storage: Storage, tmp: str, dir: str) -> None:
+    """Rename the complete `tmp` to `dir`. An old folder at `dir` (a checkpoint being
+    overwritten with save_overwrite, one a rollback abandoned, or an uncommitted leftover) is
+    first moved aside to `<dir>-replaced` and deleted only after the rename, so at every moment
+    the old folder or the new checkpoint exists whole. A crash between the two renames leaves
+    both (the next save of the step puts the old one back). Called on: rank 0, holding the
+    step lock."""
+    replaced = storage.join(storage.parent(dir), replaced_name(storage.name(dir)))
+    old = os.path.lexists(storage.local_path(dir))
+    if old:
+        storage.rename_dir(dir, replaced)
+        fault_point("replacing")
+    fault_point("before-rename")
+    try:
+        storage.rename_dir(tmp, dir)
+    except CheckpointExistsError as e:
+        raise CheckpointExistsError(
+            f"'{dir}' appeared while this save was writing (a writer that does not take "
+            f"trainckpt's lock of the step); this save committed nothing: {e}"
+        ) from e
+    fault_point("after-rename")
+    if old:
+        delete_step_folder(storage, replaced)
 
 
 def _prepare_tmp(storage: Storage, dir: str, tmp: str, overwrite: bool, lock: StepLock) -> str:
@@ -224,10 +245,23 @@ def _prepare_tmp(storage: Storage, dir: str, tmp: str, overwrite: bool, lock: St
     if is_committed(storage, dir) and not overwrite:
         raise _exists(dir)
     # The lock was free: whatever is here was left by a process that died (or by a deletion
-    # that was interrupted). A symbolic link loses only the link (`delete_tree`).
+    # that was interrupted), or abandoned by a rollback. An old folder of the step stays until
+    # the new one is complete (`_swap_in`); a swap a crash interrupted is undone first.
+    replaced = storage.join(storage.parent(dir), replaced_name(storage.name(dir)))
+    if os.path.lexists(storage.local_path(replaced)):
+        if os.path.lexists(local_dir):  # the swap was done: what is left is the old folder
+            storage.delete_tree(replaced)
+        else:
+            log.warning("'%s': putting back the old folder a crashed save had moved aside", dir)
+            storage.rename_dir(replaced, dir)
     if os.path.lexists(local_dir) and not is_committed(storage, dir):
-        log.warning("removing '%s': an uncommitted leftover of an interrupted save", dir)
-        storage.delete_tree(dir)
+        log.warning(
+            "'%s' is %s; this save replaces it once it is complete",
+            dir,
+            "abandoned by a rollback"
+            if is_abandoned(storage, dir)
+            else "an uncommitted leftover of an interrupted save or deletion",
+        )
     if os.path.lexists(local_tmp):
         log.warning("removing '%s': the working folder of an interrupted save", tmp)
         storage.delete_tree(tmp)
@@ -396,6 +430,10 @@ def _prepare_prefix(req: SaveRequest) -> Claim:
                 raise _exists(dir)
             storage.delete_files([storage.join(dir, METADATA_FILE)])
             log.warning("replacing the committed checkpoint '%s' (save_overwrite)", dir)
+        elif ABANDONED_FILE in files:
+            # A step prefix holds one set of files: the abandoned checkpoint, which no finder
+            # reports since the rollback, goes now, before the new one is written.
+            log.warning("replacing '%s', abandoned by a rollback to an older step", dir)
         elif set(files) - {CLAIM_FILE}:
             log.warning("removing '%s': an uncommitted leftover of an interrupted save", dir)
         storage.delete_files(

@@ -54,10 +54,11 @@ class StepFolder:
     tmp: bool
     """A `-tmp` working folder of a save (running, or interrupted)."""
 
-    def ours(self, committed: bool) -> bool:
-        """False for a `step-N` folder without a commit record: a checkpoint torchtitan wrote
-        (or is writing), never a leftover of ours to list or delete."""
-        return committed or self.tmp or not layout.is_torchtitan_name(self.name)
+    def ours(self, committed: bool, abandoned: bool = False) -> bool:
+        """False for a `step-N` folder without a commit record that no rollback abandoned: a
+        checkpoint torchtitan wrote (or is writing), never a leftover of ours to list or
+        delete."""
+        return committed or abandoned or self.tmp or not layout.is_torchtitan_name(self.name)
 
 
 def step_folders(storage: Storage, path: str, *, tmp: bool = False) -> list[StepFolder]:
@@ -151,14 +152,17 @@ def read_records(storage: Storage, ckpt: str, listed: Collection[str] | None = N
     return Records(metadata, manifest, tuple(problems))
 
 
-def state_of(folder: StepFolder, committed: bool, records: Records) -> State | None:
+def state_of(
+    folder: StepFolder, committed: bool, records: Records, abandoned: bool = False
+) -> State | None:
     """The state of a step folder whose commit record was seen (`committed`) or not, with the
-    records read of it; None when it is not ours (`StepFolder.ours`). The one rule the finders,
-    retention, `prune` and `ls` share."""
+    records read of it; None when it is not ours (`StepFolder.ours`). An abandoned folder
+    (`abandon_newer`) is `uncommitted`. The one rule the finders, retention, `prune` and `ls`
+    share."""
     if folder.tmp:
         return "tmp"
     if not committed:
-        return "uncommitted" if folder.ours(committed) else None
+        return "uncommitted" if folder.ours(committed, abandoned) else None
     if records.problems or records.metadata is None:
         return "damaged"
     return "committed"
@@ -180,7 +184,8 @@ def step_states(
     for f in folders:
         committed = not f.tmp and is_committed(storage, f.path)
         records = read(storage, f.path) if committed else Records()
-        state = state_of(f, committed, records)
+        abandoned = not f.ours(committed) and is_abandoned(storage, f.path)
+        state = state_of(f, committed, records, abandoned)
         if state is not None:
             out.append((f, state, records))
     return out
@@ -340,12 +345,15 @@ def scan_folder(storage: Storage, path: str) -> list[FolderEntry]:
 def _describe(storage: Storage, folder: StepFolder) -> FolderEntry | None:
     files = storage.list_files(folder.path)
     committed = layout.METADATA_FILE in files
-    if not folder.ours(committed):
+    abandoned = layout.ABANDONED_FILE in files
+    if not folder.ours(committed, abandoned):
         return None
     records = read_records(storage, folder.path, listed=files)
-    state = state_of(folder, committed, records)
+    state = state_of(folder, committed, records, abandoned)
     assert state is not None
     notes = list(records.problems)
+    if abandoned and not committed:
+        notes.append("abandoned: a run resumed from an older step; its next save replaces it")
     if committed and layout.MANIFEST_FILE not in files:
         notes.append("no manifest (unverifiable)")
     if layout.CLAIM_FILE in files and not committed:
@@ -364,6 +372,68 @@ def _describe(storage: Storage, folder: StepFolder) -> FolderEntry | None:
         world_size=manifest.world_size if manifest else ranks or None,
         note="; ".join(notes),
     )
+
+
+# -- rolling back (DESIGN §11) --------------------------------------------------------------------
+
+
+def abandon_newer(storage: Storage, path: str, step: int) -> list[tuple[int, str]]:
+    """A run resumed from `step`: abandon every checkpoint under `path` of a newer step, so no
+    finder reports one again (ours, OLMo-core's, the torchtitan integration's). Returns (step,
+    path) of those abandoned now, ascending; a missing folder holds none.
+
+    Each loses its commit record first (one atomic deletion, as a deletion starts), then gets
+    `.abandoned.json` holding that record (renaming it back undoes the abandonment); its files
+    stay until the new run saves that step
+    (`commit.py` replaces the folder only once the new checkpoint is complete) or retention
+    passes it. Folders torchtitan's own manager wrote (`step-N`, no commit record) are marked
+    only. Called on: one process (rank 0).
+    """
+    try:
+        folders = step_folders(storage, path)
+    except FileNotFoundError:
+        return []
+    abandoned = []
+    for f in folders:
+        if f.step <= step:
+            continue
+        files = storage.list_files(f.path)
+        committed = layout.METADATA_FILE in files
+        theirs = not f.ours(committed) and layout.ABANDONED_FILE not in files
+        if committed or theirs:
+            _abandon(storage, f.path, committed)
+            abandoned.append((f.step, f.path))
+    if abandoned:
+        log.warning(
+            "rolled back: the run resumed from step %s of '%s', so the newer checkpoints of "
+            "steps %s are abandoned (no finder reports them again; each is replaced when the "
+            "run saves that step). Their files are kept until then: to go back to one, rename "
+            "its %s to %s (one torchtitan wrote: delete it)",
+            step,
+            path,
+            [s for s, _ in abandoned],
+            layout.ABANDONED_FILE,
+            layout.METADATA_FILE,
+        )
+    return abandoned
+
+
+def _abandon(storage: Storage, ckpt: str, committed: bool) -> None:
+    """Remove `ckpt`'s commit record, then write it again as `.abandoned.json` (`{}` for a
+    folder torchtitan wrote, which has none); a damaged record is not kept."""
+    record = b"{}"
+    if committed:
+        try:
+            record = read_commit_record(storage, ckpt).to_json()
+        except (OSError, CheckpointError) as e:
+            log.warning("'%s': its commit record is unreadable (%s); not kept", ckpt, e)
+        storage.delete_files([storage.join(ckpt, layout.METADATA_FILE)])
+    storage.write_bytes(storage.join(ckpt, layout.ABANDONED_FILE), record, make_parents=False)
+
+
+def is_abandoned(storage: Storage, ckpt: str) -> bool:
+    """True when step folder `ckpt` was abandoned by a rollback (`abandon_newer`)."""
+    return storage.exists(storage.join(ckpt, layout.ABANDONED_FILE))
 
 
 # -- deleting --------------------------------------------------------------------------------------

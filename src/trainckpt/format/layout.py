@@ -18,6 +18,14 @@ MODEL_DIR = "model_and_optim"
 DCP_METADATA_FILE = ".metadata"
 """torch.distributed.checkpoint's own metadata file inside a DCP folder."""
 TMP_SUFFIX = "-tmp"
+REPLACED_SUFFIX = "-replaced"
+"""Filesystems: where a save moves the old folder of its step (abandoned by a rollback,
+uncommitted, or overwritten) just before renaming its `-tmp` into place, and deletes it right
+after; a crash in between leaves it there, and the next save of that step puts it back."""
+ABANDONED_FILE = ".abandoned.json"
+"""Marks a step folder a rollback abandoned (DESIGN §11): the run resumed from an older step, so
+the commit record was removed (no finder reports the folder again) and kept in here. The next
+save of that step replaces the folder."""
 
 _STEP_RE = re.compile(r"^step(-?)(\d+)$")
 _RANK_FILE_RE = re.compile(rf"^{TRAIN_DIR}/rank(\d+)\.pt$")
@@ -43,9 +51,9 @@ def parse_step(name: str) -> int | None:
 
 
 def parse_step_folder(name: str) -> tuple[int, bool] | None:
-    """(step, whether it is a `-tmp` working folder) of a step folder name of either naming,
-    with or without the `-tmp` suffix; None for any other name. The one place that suffix is
-    parsed."""
+    """(step, whether it is a working folder: `-tmp` or `-replaced`) of a step folder name of
+    either naming, with or without such a suffix; None for any other name. The one place those
+    suffixes are parsed (through `target_name`)."""
     base = target_name(name)
     step = parse_step(base)
     return None if step is None else (step, base != name)
@@ -80,9 +88,18 @@ def tmp_name(name: str) -> str:
     return name + TMP_SUFFIX
 
 
+def replaced_name(name: str) -> str:
+    """Name the old folder of step folder `name` takes while a save swaps the new one in."""
+    return name + REPLACED_SUFFIX
+
+
 def target_name(name: str) -> str:
-    """Name of the checkpoint folder that `name` is (or, for a `-tmp` folder, is written for)."""
-    return name.removesuffix(TMP_SUFFIX)
+    """Name of the checkpoint folder that `name` is (or, for a `-tmp` or `-replaced` working
+    folder, belongs to)."""
+    for suffix in (TMP_SUFFIX, REPLACED_SUFFIX):
+        if name.endswith(suffix):
+            return name.removesuffix(suffix)
+    return name
 
 
 def lock_name(name: str) -> str:

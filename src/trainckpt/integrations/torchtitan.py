@@ -1,13 +1,14 @@
 """trainckpt as torchtitan's checkpoint manager.
 
 torchtitan 0.3 builds its checkpointer from `Trainer.Config.checkpoint`, typed as
-`BaseCheckpointManager.Config`; pass `trainckpt.integrations.torchtitan.CheckpointManager.Config`
-there and the trainer calls this manager (`load(step)`, `save(curr_step, last_step)`,
-`maybe_wait_for_staging()`, `close()`) instead of its own. Built on trainckpt's public pieces:
-`ModelAndStates` (torchtitan's DCP layout), `trainckpt.CheckpointManager` (the policy driver,
-not this class) with a `CheckpointPolicy` (interval, retention, async saves, overlapped staging,
-model-only final save) and `Checkpointer` (commit protocol, verification, object stores).
-Importing this module imports torchtitan.
+`BaseCheckpointManager.Config`; pass `TorchtitanCheckpointManager.Config` there
+(`CheckpointManager` is the same class under torchtitan's name) and the trainer calls this
+manager (`load(step)`, `save(curr_step, last_step)`, `maybe_wait_for_staging()`, `close()`)
+instead of its own. Built on trainckpt's public pieces: `ModelAndStates` (torchtitan's DCP
+layout), `trainckpt.CheckpointManager` (the policy driver, not this class) with a
+`CheckpointPolicy` (interval, retention, async saves, overlapped staging, model-only final save)
+and `Checkpointer` (commit protocol, verification, object stores). docs/torchtitan.md says what
+differs from torchtitan's own manager. Importing this module imports torchtitan.
 """
 
 from __future__ import annotations
@@ -30,7 +31,11 @@ from trainckpt.checkpointer import Checkpointer
 from trainckpt.config import CheckpointerConfig
 from trainckpt.core import dist
 from trainckpt.errors import CheckpointNotFoundError, ConfigurationError, CorruptCheckpointError
-from trainckpt.format.torchtitan_layout import dcp_problems, torchtitan_checkpoints
+from trainckpt.format.torchtitan_layout import (
+    dcp_problems,
+    rewritten_by_another_writer,
+    torchtitan_checkpoints,
+)
 from trainckpt.model_states import ModelAndStates
 from trainckpt.retention.policy import CheckpointPolicy
 from trainckpt.storage import resolve
@@ -40,14 +45,15 @@ log = logging.getLogger(__name__)
 AsyncModeName = Literal["disabled", "async", "async_with_pinned_mem"]
 
 
-class CheckpointManager(BaseCheckpointManager):
+class TorchtitanCheckpointManager(BaseCheckpointManager):
     """torchtitan's checkpoint manager contract, carried out by trainckpt.
 
-    What differs from torchtitan's own manager (all on purpose, see README "Using trainckpt
-    with torchtitan"): a save counts only once committed (a crash mid-save leaves no
-    `step-N` that resumes); `load(-1)` skips a damaged newest checkpoint; `close()` commits a
-    save in flight; `keep_latest_k` never deletes before the replacement is committed (so 1 is
-    allowed), and never trims step 0 or the first-step checkpoint.
+    What differs from torchtitan's own manager (all on purpose, see docs/torchtitan.md): a
+    save counts only once committed (a crash mid-save leaves no `step-N` that resumes);
+    `load(-1)` skips a damaged newest checkpoint; loading an older step (`load_step`)
+    abandons the newer ones (docs/rollback.md); `close()` commits a save in flight;
+    `keep_latest_k` never deletes before the replacement is committed (so 1 is allowed), and
+    never trims step 0 or the first-step checkpoint.
 
     Called on: all ranks (the trainer builds it on each).
     """
@@ -79,6 +85,7 @@ class CheckpointManager(BaseCheckpointManager):
                 BaseCheckpointManager.Config.__post_init__(self)
             finally:
                 setattr(self, "keep_latest_k", keep)  # noqa: B010
+            self.async_mode = self.async_mode.lower()  # type: ignore[assignment]  # as torchtitan
             if self.async_mode not in ("disabled", "async", "async_with_pinned_mem"):
                 raise ConfigurationError(
                     f"checkpoint.async_mode is '{self.async_mode}'; choose disabled, async or "
@@ -193,18 +200,35 @@ class CheckpointManager(BaseCheckpointManager):
             self.checkpointer.process_group,
         )
         if found is None:
-            return self._initial_load()
+            loaded = self._initial_load()
+            self.driver.start_from(None)  # the folder's trajectory starts here
+            return loaded
         found_step, path, kind = found
         log.info("loading step %d from '%s'", found_step, path)
         if kind == "hf":
             from trainckpt.integrations.torchtitan_hf import load_hf  # imported on first use
 
             load_hf(self, path)
-            return True
-        # torchtitan's rule: a step-0 (seed) checkpoint restores the model only
-        module = self.module.weights() if found_step == 0 else self._load_module
-        self.checkpointer.load(path, module, load_trainer_state=False)
+        elif kind == "foreign":  # its files are not those the manifest records (`_find`)
+            self._load_unverified(path, self._module_for(found_step))
+        else:
+            self.checkpointer.load(path, self._module_for(found_step), load_trainer_state=False)
+        self.driver.start_from(found_step)  # newer steps are abandoned (docs/rollback.md)
         return True
+
+    def _module_for(self, step: int) -> Any:
+        """torchtitan's rule: a step-0 (seed) checkpoint restores the model only."""
+        return self.module.weights() if step == 0 else self._load_module
+
+    def _load_unverified(self, path: str, module: Any) -> None:
+        """Load `path` without checking its files against the manifest (which another writer
+        made stale); its DCP metadata is still read safely (`_find` checked its byte ranges)."""
+        level = self.checkpointer.verify_on_load
+        self.checkpointer.verify_on_load = "none"
+        try:
+            self.checkpointer.load(path, module, load_trainer_state=False)
+        finally:
+            self.checkpointer.verify_on_load = level
 
     def _candidates(self) -> dict[int, tuple[str, str]]:
         """step -> (path, kind) of every checkpoint in the folder: committed ones (either
@@ -227,9 +251,14 @@ class CheckpointManager(BaseCheckpointManager):
         folder holds none; raises when `step` is missing or damaged, or all are damaged."""
         found = self._candidates()
         if step != -1 and step not in found:
+            if not found and not self._folder_exists():
+                raise CheckpointNotFoundError(
+                    f"--checkpoint.load_step={step} not found because checkpoint.folder "
+                    f"{self.folder} does not exist"
+                )
             raise CheckpointNotFoundError(
-                f"checkpoint.load_step={step}: no checkpoint of that step in '{self.folder}' "
-                f"(steps there: {sorted(found) or 'none'}); pick one of them or -1 for the latest"
+                f"--checkpoint.load_step={step} not found in {self.folder} (steps there: "
+                f"{sorted(found) or 'none'}); pick one of them or -1 for the latest"
             )
         order = [step] if step != -1 else sorted(found, reverse=True)
         skipped = []
@@ -238,6 +267,16 @@ class CheckpointManager(BaseCheckpointManager):
             problems = self._problems(path, kind)
             if not problems:
                 return s, path, "hf" if kind == "hf" else "dcp"
+            foreign = rewritten_by_another_writer(*resolve(path)) if kind == "ours" else None
+            if foreign is not None:
+                log.warning(
+                    "'%s' does not match trainckpt's manifest (%s), but %s. Loading it as an "
+                    "unverified foreign checkpoint",
+                    path,
+                    "; ".join(problems),
+                    foreign,
+                )
+                return s, path, "foreign"
             if step != -1:
                 raise CorruptCheckpointError(
                     f"checkpoint.load_step={step}: '{path}' is damaged: {'; '.join(problems)}. "
@@ -251,6 +290,14 @@ class CheckpointManager(BaseCheckpointManager):
                 "starting from scratch over them: restore one from a copy or move them away"
             )
         return None
+
+    def _folder_exists(self) -> bool:
+        storage, folder = resolve(self.folder)
+        try:
+            storage.list_dir(folder)
+        except FileNotFoundError:
+            return False
+        return True
 
     def _problems(self, path: str, kind: str) -> list[str]:
         level = self.config.verify_on_load
@@ -283,3 +330,7 @@ class CheckpointManager(BaseCheckpointManager):
         log.info("initial load from '%s'", path)
         self.checkpointer.load(path, module, load_trainer_state=False)
         return True
+
+
+CheckpointManager = TorchtitanCheckpointManager
+"""The same class under torchtitan's own name, for drop-in imports."""

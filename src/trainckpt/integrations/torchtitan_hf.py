@@ -32,7 +32,7 @@ from trainckpt.format.torchtitan_layout import HF_INDEX_FILE
 from trainckpt.storage import Storage, resolve
 
 if TYPE_CHECKING:
-    from trainckpt.integrations.torchtitan import CheckpointManager
+    from trainckpt.integrations.torchtitan import TorchtitanCheckpointManager
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def write_hf_files(
     return [*names, HF_INDEX_FILE]
 
 
-def save_hf(manager: CheckpointManager, step: int) -> str:
+def save_hf(manager: TorchtitanCheckpointManager, step: int) -> str:
     """The final save in Hugging Face safetensors into the step folder; returns its path.
     Called on: all ranks."""
     start = time.perf_counter()
@@ -150,7 +150,7 @@ def _check_index(folder: Path) -> None:
             raise CorruptCheckpointError(f"'{index}' names '{name}', which is missing")
 
 
-def load_hf(manager: CheckpointManager, path: str) -> None:
+def load_hf(manager: TorchtitanCheckpointManager, path: str) -> None:
     """Load Hugging Face safetensors from the local folder `path` into the model (model only).
     Called on: all ranks."""
     import torch.distributed.checkpoint as dcp
