@@ -162,7 +162,8 @@ def rollback_run(
 
     torch.set_num_threads(1)
     ckpt = CheckpointerConfig(work_dir=work_dir, fs_timeout=20).build()
-    driver = CheckpointManager(ckpt, CheckpointPolicy(save_interval=1, remove="never"), folder)
+    policy = CheckpointPolicy(save_interval=1, remove="all_non_permanent")
+    driver = CheckpointManager(ckpt, policy, folder)
     module = new_module()
     ckpt.load(f"{folder}/{Checkpointer.checkpoint_dirname(resume_step)}", module)
     driver.start_from(resume_step)

@@ -212,11 +212,11 @@ def _swap_in(storage: Storage, tmp: str, dir: str) -> None:
     both (the next save of the step puts the old one back). Called on: rank 0, holding the
     step lock."""
     replaced = storage.join(storage.parent(dir), replaced_name(storage.name(dir)))
+    fault_point("before-rename")
     old = os.path.lexists(storage.local_path(dir))
     if old:
         storage.rename_dir(dir, replaced)
         fault_point("replacing")
-    fault_point("before-rename")
     try:
         storage.rename_dir(tmp, dir)
     except CheckpointExistsError as e:
