@@ -140,7 +140,8 @@ def test_layout_is_torchtitans_and_roundtrips(ckpt, tmp_path):
     assert {"embed.weight", "block.0.weight", "head.weight", "norm.weight"} <= keys
     assert "train_state.step" in keys and "dataloader.dp_rank_0" in keys
     assert any(k.startswith("optimizer.state.") and k.endswith("exp_avg") for k in keys)
-    assert not any(k.startswith(("model.", "missing")) for k in keys)
+    assert not any(k.startswith("model.") for k in keys)
+    assert "missing" in keys  # a None state is saved as None, as torchtitan's manager saves it
 
     dst, _, counter, pos = _build(7, steps=0)
     ckpt.load(path, dst)

@@ -88,8 +88,8 @@ class TorchtitanCheckpointManager(BaseCheckpointManager):
             self.async_mode = self.async_mode.lower()  # type: ignore[assignment]  # as torchtitan
             if self.async_mode not in ("disabled", "async", "async_with_pinned_mem"):
                 raise ConfigurationError(
-                    f"checkpoint.async_mode is '{self.async_mode}'; choose disabled, async or "
-                    "async_with_pinned_mem"
+                    f"Invalid async_mode: checkpoint.async_mode is '{self.async_mode}'; choose "
+                    "disabled, async or async_with_pinned_mem (any case)"
                 )
             if self.initial_load_in_hf_quantized:
                 raise ConfigurationError(
