@@ -89,7 +89,6 @@ class CheckpointManager:
         resumed from once `start_from` ran: a save of one of them is only waited for."""
         self._last_saved: int | None = None
         self._started = False
-        self._start: int | None = None
         self._pending: _Save | None = None
         self._in_flight: Future[str] | None = None
         self._remover = (
@@ -151,15 +150,12 @@ class CheckpointManager:
         when the run saves that step. Returns the abandoned steps.
 
         `resume` calls it; call it yourself, before the first save, when you load a checkpoint
-        by other means. Without it the first step passed to `maybe_save` or `save` is taken as
-        the step resumed from. Called on: all ranks (rank 0 reads and marks the folder).
+        by other means (and again after loading an older step mid-run: the save in flight is
+        waited for first). Without it the first step passed to `maybe_save` or `save` is taken
+        as the step resumed from. Called on: all ranks (rank 0 reads and marks the folder).
         """
-        if self._started:
-            raise CheckpointError(
-                f"the CheckpointManager of '{self.save_folder}' has started already (from step "
-                f"{self._start}); call start_from before the first save, once"
-            )
-        self._started, self._start = True, step
+        self._collect_pending()
+        self._started = True
         since = -1 if step is None else step
         abandoned = dist.run_on_rank0(
             lambda: abandon_newer(*resolve(self.save_folder), since),

@@ -95,14 +95,17 @@ def test_resume_skipping_a_damaged_newest_abandons_it_and_retention_counts_the_n
     assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == ["step0", "step10", "step12"]
 
 
-def test_start_from_is_settled_once(ckpt: Checkpointer, tmp_path: Path) -> None:
+def test_loading_an_older_step_mid_run_rolls_back_again(ckpt: Checkpointer, tmp_path: Path) -> None:
     folder = str(tmp_path / "ckpts")
-    _first_run(ckpt, folder, 4, CheckpointPolicy(save_interval=2))
+    module = make_module(steps=1)
     driver = CheckpointManager(ckpt, CheckpointPolicy(save_interval=2), folder)
+    for step in range(5):
+        driver.maybe_save(step, module, {"step": step, "trajectory": "old"})
+    ckpt.load(f"{folder}/step2", module)
     assert driver.start_from(2) == [4]
-    with pytest.raises(Exception, match="start_from before the first save, once"):
-        driver.start_from(0)
+    driver.maybe_save(4, module, {"step": 4, "trajectory": "new"})  # written, not skipped
     driver.finish()
+    assert _steps(folder) == [0, 2, 4] and _trajectory(ckpt, f"{folder}/step4") == "new"
 
 
 def test_undoing_an_abandonment_by_hand(ckpt: Checkpointer, tmp_path: Path) -> None:
