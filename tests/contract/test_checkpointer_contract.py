@@ -276,3 +276,42 @@ def test_deep_verify_finds_a_flipped_byte_that_sizes_miss(
     report = Checkpointer.verify(path, deep=True)
     assert not report.ok
     assert any("__0_0.distcp" in p for p in report.problems), report.problems
+
+
+@pytest.mark.parametrize("place", ["gcs", "s3"], indirect=True)
+@pytest.mark.parametrize("change", ["deleted", "resized", "added"])
+def test_objects_changed_during_the_save_are_never_committed(
+    ckpt: Checkpointer, place: Place, change: str
+) -> None:
+    """Object stores: after every upload and before the commit record, the save lists its
+    prefix against its manifest. Another process deleting, rewriting or adding an object there
+    meanwhile makes the save fail, naming the object, with no commit record; the step is free
+    for the next save."""
+    from trainckpt import CorruptCheckpointError
+    from trainckpt.faults import on_fault_point
+
+    path = f"{place.root}/run/step1"
+    storage, _ = resolve(path)
+    shard = "model_and_optim/__0_0.distcp"
+    named = "model_and_optim/stray.distcp" if change == "added" else shard
+
+    def meddle() -> None:  # another process's doing, through the back end's own client
+        assert shard in place.objects(path), "the shards are uploaded before the manifest"
+        if change == "deleted":
+            storage.delete_files([f"{path}/{shard}"])
+        else:
+            place.put(f"{path}/{named}")(b"written by someone else")
+
+    with on_fault_point("before-manifest", meddle):
+        with pytest.raises(CorruptCheckpointError, match="changed during the save") as caught:
+            ckpt.save(path, make_module(), {"step": 1})
+    assert f"'{named}'" in str(caught.value) and path in str(caught.value)
+    assert ".metadata.json" not in place.objects(path)
+    assert not Checkpointer.dir_is_checkpoint(path)
+
+    src = make_module(seed=4)
+    assert ckpt.save(path, src, {"step": 1}) == path
+    dst = fresh_module()
+    assert ckpt.load(path, dst) == {"step": 1}
+    assert_same_state(src, dst)
+    assert Checkpointer.verify(path, deep=True).ok
