@@ -279,33 +279,33 @@ def test_deep_verify_finds_a_flipped_byte_that_sizes_miss(
 
 
 @pytest.mark.parametrize("place", ["gcs", "s3"], indirect=True)
-@pytest.mark.parametrize("change", ["deleted", "resized", "added"])
 def test_objects_changed_during_the_save_are_never_committed(
-    ckpt: Checkpointer, place: Place, change: str
+    ckpt: Checkpointer, place: Place
 ) -> None:
     """Object stores: after every upload and before the commit record, the save lists its
-    prefix against its manifest. Another process deleting, rewriting or adding an object there
-    meanwhile makes the save fail, naming the object, with no commit record; the step is free
-    for the next save."""
+    prefix against its manifest. Another process deleting, rewriting and adding objects there
+    meanwhile makes the save fail, naming each of them, with no commit record; the step is
+    free for the next save."""
     from trainckpt import CorruptCheckpointError
     from trainckpt.faults import on_fault_point
 
     path = f"{place.root}/run/step1"
     storage, _ = resolve(path)
-    shard = "model_and_optim/__0_0.distcp"
-    named = "model_and_optim/stray.distcp" if change == "added" else shard
+    deleted, resized, added = "train/rank0.pt", "model_and_optim/__0_0.distcp", "stray.bin"
 
     def meddle() -> None:  # another process's doing, through the back end's own client
-        assert shard in place.objects(path), "the shards are uploaded before the manifest"
-        if change == "deleted":
-            storage.delete_files([f"{path}/{shard}"])
-        else:
-            place.put(f"{path}/{named}")(b"written by someone else")
+        assert {deleted, resized} <= set(place.objects(path)), "uploaded before the manifest"
+        storage.delete_files([f"{path}/{deleted}"])
+        place.put(f"{path}/{resized}")(b"written by someone else")
+        place.put(f"{path}/{added}")(b"written by someone else")
 
     with on_fault_point("before-manifest", meddle):
         with pytest.raises(CorruptCheckpointError, match="changed during the save") as caught:
             ckpt.save(path, make_module(), {"step": 1})
-    assert f"'{named}'" in str(caught.value) and path in str(caught.value)
+    message = str(caught.value)
+    assert path in message and f"'{deleted}' is missing" in message
+    assert f"'{resized}' has 23 bytes" in message
+    assert f"'{added}' is not in the manifest" in message
     assert ".metadata.json" not in place.objects(path)
     assert not Checkpointer.dir_is_checkpoint(path)
 

@@ -45,8 +45,14 @@ def _run_ranks(
         outcome.unlink(missing_ok=True)
         procs.append(
             launcher.start(
-                str(folder), work, last, mode, env=env, target=run_recorded,
-                outcome=str(outcome), **kw,
+                str(folder),
+                work,
+                last,
+                mode,
+                env=env,
+                target=run_recorded,
+                outcome=str(outcome),
+                **kw,
             )  # fmt: skip
         )
     # (keep each `ready` event referenced until its process has started: it is a semaphore)

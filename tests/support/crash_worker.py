@@ -426,5 +426,16 @@ def start_on_gcs(
     return launcher.start(str(tmp_path / "unused"), work, last, mode, url=url, env=env, **kw)
 
 
+def start_on_s3(
+    launcher: Launcher, tmp_path: Path, url: str, endpoint: str, last: int, mode: str, **kw: Any
+) -> tuple[BaseProcess, Event]:
+    """Start a run saving to the s3:// `url`, its client pointed at the server `endpoint`
+    with the test session's dummy credentials (the `s3_server` fixture set them)."""
+    env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    env["AWS_ENDPOINT_URL_S3"] = endpoint
+    work = str(tmp_path / "work")
+    return launcher.start(str(tmp_path / "unused"), work, last, mode, url=url, env=env, **kw)
+
+
 def tmp_folders(folder: Path) -> Iterator[Path]:
     return folder.glob("*-tmp")

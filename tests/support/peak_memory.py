@@ -18,7 +18,7 @@ from typing import Any
 
 import trainckpt
 
-_PRELUDE = '''
+_PRELUDE = """
 import json, resource
 
 results = []
@@ -34,7 +34,7 @@ def measure(fn):
         outcome = {"raised": type(e).__name__, "message": str(e)}
     outcome["growth"] = peak() - before
     return outcome
-'''
+"""
 
 
 def run_measured(body: str, timeout: float = 300) -> list[dict[str, Any]]:
