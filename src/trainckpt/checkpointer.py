@@ -364,7 +364,9 @@ class Checkpointer:
         trainer_bytes: bytes = b""
         state: dict[str, Any] = {}
         try:
-            trainer_bytes = serialize_trainer_state(train_state, where)
+            trainer_bytes = serialize_trainer_state(
+                train_state, where, self.max_trainer_state_bytes
+            )
             if not saves_directly(train_module):
                 state = train_module.state_dict_to_save()
             if stage:  # complete (GPU copies too) when it returns
@@ -462,6 +464,7 @@ class Checkpointer:
             work_dir=self.work_dir,
             pre_download=self.pre_download,
             thread_count=self.load_thread_count or _default_threads(),
+            max_trainer_state_bytes=self.max_trainer_state_bytes,
         )
         state = load_checkpoint(
             req,

@@ -15,6 +15,7 @@ from trainckpt.core import dist
 from trainckpt.core.claim import DEFAULT_LEASE, MAX_LEASE
 from trainckpt.core.load import VerifyOnLoad
 from trainckpt.errors import ConfigurationError, settings_error
+from trainckpt.format.trainer_state import DEFAULT_MAX_BYTES
 
 if TYPE_CHECKING:
     from trainckpt.checkpointer import Checkpointer
@@ -88,6 +89,9 @@ class CheckpointerConfig(BaseModel):
     """Committed steps the local tier keeps."""
     verify_on_load: VerifyOnLoad = "size"
     """Check files against the manifest before loading: none, size (cheap) or full (CRC32C)."""
+    max_trainer_state_bytes: int = Field(default=DEFAULT_MAX_BYTES, ge=1)
+    """Largest trainer-state file (`train/rank{R}.pt`) a save writes and a load reads: a larger
+    one is refused by its size before it is read (docs/limits.md). Default 1 GiB."""
     exit_timeout: float = Field(default=300.0, ge=0)
     """Seconds a process that ends (or gets SIGTERM, where the trainer has no handler of its
     own) without `close()` waits for its in-flight async save to commit; a save that does not

@@ -107,6 +107,23 @@ def test_crashed_save_is_ignored_then_cleared_by_the_next_save(
     assert_same_state(src, dst)
 
 
+def test_object_store_manifests_name_their_attempt_under_format_2(
+    ckpt: Checkpointer, s3_bucket: str, s3_server: MotoS3, tmp_path: Path
+) -> None:
+    """trainckpt 0.1 forbids unknown manifest fields: a manifest naming its save attempt says
+    format 2, so 0.1 asks for an upgrade instead of calling the checkpoint damaged; local
+    saves, which name no attempt, stay format 1 and readable by 0.1."""
+    import json
+
+    remote = ckpt.save(f"{s3_bucket}/run/step1", make_module(), {"step": 1})
+    local = ckpt.save(tmp_path / "run" / "step1", make_module(), {"step": 1})
+    remote_raw = json.loads(s3_server.objects(remote)[".manifest.json"])
+    local_raw = json.loads((Path(local) / ".manifest.json").read_bytes())
+    assert remote_raw["format"] == 2 and len(remote_raw["attempt"]) == 32
+    assert local_raw["format"] == 1 and "attempt" not in local_raw
+    assert Checkpointer.verify(remote).ok and Checkpointer.verify(local).ok
+
+
 def test_finders_and_delete_past_1000_keys(
     ckpt: Checkpointer, s3_bucket: str, s3_server: MotoS3, s3_proxy: S3Proxy
 ) -> None:

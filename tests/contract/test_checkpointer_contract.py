@@ -276,3 +276,42 @@ def test_deep_verify_finds_a_flipped_byte_that_sizes_miss(
     report = Checkpointer.verify(path, deep=True)
     assert not report.ok
     assert any("__0_0.distcp" in p for p in report.problems), report.problems
+
+
+@pytest.mark.parametrize("place", ["gcs", "s3"], indirect=True)
+def test_objects_changed_during_the_save_are_never_committed(
+    ckpt: Checkpointer, place: Place
+) -> None:
+    """Object stores: after every upload and before the commit record, the save lists its
+    prefix against its manifest. Another process deleting, rewriting and adding objects there
+    meanwhile makes the save fail, naming each of them, with no commit record; the step is
+    free for the next save."""
+    from trainckpt import CorruptCheckpointError
+    from trainckpt.faults import on_fault_point
+
+    path = f"{place.root}/run/step1"
+    storage, _ = resolve(path)
+    deleted, resized, added = "train/rank0.pt", "model_and_optim/__0_0.distcp", "stray.bin"
+
+    def meddle() -> None:  # another process's doing, through the back end's own client
+        assert {deleted, resized} <= set(place.objects(path)), "uploaded before the manifest"
+        storage.delete_files([f"{path}/{deleted}"])
+        place.put(f"{path}/{resized}")(b"written by someone else")
+        place.put(f"{path}/{added}")(b"written by someone else")
+
+    with on_fault_point("before-manifest", meddle):
+        with pytest.raises(CorruptCheckpointError, match="changed during the save") as caught:
+            ckpt.save(path, make_module(), {"step": 1})
+    message = str(caught.value)
+    assert path in message and f"'{deleted}' is missing" in message
+    assert f"'{resized}' has 23 bytes" in message
+    assert f"'{added}' is not in the manifest" in message
+    assert ".metadata.json" not in place.objects(path)
+    assert not Checkpointer.dir_is_checkpoint(path)
+
+    src = make_module(seed=4)
+    assert ckpt.save(path, src, {"step": 1}) == path
+    dst = fresh_module()
+    assert ckpt.load(path, dst) == {"step": 1}
+    assert_same_state(src, dst)
+    assert Checkpointer.verify(path, deep=True).ok

@@ -1,5 +1,5 @@
 """Two real ranks (gloo on 127.0.0.1) save together; one of them is SIGKILLed in the middle of a
-save. The survivor must fail with an error within the collective timeout (not hang, not commit);
+save. The survivor must fail with `RankFailedError` naming the lost peer (not hang, not commit);
 every checkpoint the finders report loads exactly; two restarted ranks complete the run."""
 
 from __future__ import annotations
@@ -8,7 +8,14 @@ import signal
 from pathlib import Path
 
 import pytest
-from support.crash_worker import Launcher, check_checkpoints, finish, tmp_folders
+from support.crash_worker import (
+    Launcher,
+    check_checkpoints,
+    finish,
+    read_outcome,
+    run_recorded,
+    tmp_folders,
+)
 from support.ports import free_port
 
 pytestmark = pytest.mark.slow
@@ -19,7 +26,8 @@ WORLD = 2
 def _run_ranks(
     launcher: Launcher, folder: Path, last: int, mode: str, fault: str = "", fault_rank: int = -1
 ) -> list[int]:
-    """Start WORLD ranks of one run; return their exit codes in rank order."""
+    """Start WORLD ranks of one run; return their exit codes in rank order. The exception
+    that ends rank R is in `folder.parent / f"outcome{R}.json"` (`read_outcome`)."""
     port = str(free_port())
     procs = []
     for rank in range(WORLD):
@@ -33,7 +41,20 @@ def _run_ranks(
         }
         kw = {"fault": fault, "fault_step": 3} if rank == fault_rank else {}
         work = str(folder.parent / f"work{rank}")
-        procs.append(launcher.start(str(folder), work, last, mode, env=env, **kw))
+        outcome = folder.parent / f"outcome{rank}.json"
+        outcome.unlink(missing_ok=True)
+        procs.append(
+            launcher.start(
+                str(folder),
+                work,
+                last,
+                mode,
+                env=env,
+                target=run_recorded,
+                outcome=str(outcome),
+                **kw,
+            )  # fmt: skip
+        )
     # (keep each `ready` event referenced until its process has started: it is a semaphore)
     return [finish(proc) for proc, _ready in procs]
 
@@ -49,6 +70,7 @@ def test_one_rank_killed_mid_save(launcher, tmp_path, point, rank, mode):
     codes = _run_ranks(launcher, folder, 4, mode, fault=point, fault_rank=rank)
     assert codes[rank] == -signal.SIGKILL, f"exit codes {codes}: '{point}' was not reached"
     assert codes[1 - rank] == 1, f"exit codes {codes}: the surviving rank must fail, not commit"
+    _assert_lost_its_peer(read_outcome(tmp_path / f"outcome{1 - rank}.json"))
     assert check_checkpoints(folder) == [1, 2]
 
     assert _run_ranks(launcher, folder, 5, mode) == [0, 0]
@@ -58,3 +80,17 @@ def test_one_rank_killed_mid_save(launcher, tmp_path, point, rank, mode):
         "rank1.pt",
     ]
     assert not list(tmp_folders(folder))
+
+
+def _assert_lost_its_peer(chain: list[dict] | None) -> None:
+    """The survivor ended with a trainckpt error raised from a collective of the save that
+    lost its peer: gloo sees the killed rank's connection close, so this comes at once, before
+    `collective_timeout` (which is for a peer that hangs), as `RankFailedError`."""
+    assert chain, "the surviving rank exited with code 1 but recorded no exception"
+    assert chain[0]["checkpoint_error"], chain[0]
+    lost = [e for e in chain if e["type"] == "RankFailedError"]
+    assert lost, chain
+    assert "lost contact with another rank" in lost[0]["message"], lost[0]
+    assert any(
+        word in lost[0]["message"] for word in ("Connection reset by peer", "Connection closed")
+    ), lost[0]

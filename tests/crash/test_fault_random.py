@@ -1,5 +1,5 @@
 """SIGKILL a real training run at random moments, many times over, on one save folder: a local
-folder, and a gs:// prefix on a real fake-gcs-server on 127.0.0.1.
+folder, a gs:// prefix on a real fake-gcs-server and an s3:// prefix on moto, on 127.0.0.1.
 
 Each repetition restarts the run from whatever the previous kill left (resuming from the newest
 good checkpoint, without save_overwrite), lets it save and delete for a random while, and kills
@@ -25,13 +25,14 @@ from support.crash_worker import (
     check_checkpoints,
     finish,
     start_on_gcs,
+    start_on_s3,
     tmp_folders,
 )
 
 pytestmark = pytest.mark.slow
 
 # Per back end: (seed, repetitions, steps per run). A gs:// run takes longer, so it has fewer.
-CASES = {"local": (20261121, 20, 4), "gcs": (4242, 8, 3)}
+CASES = {"local": (20261121, 20, 4), "gcs": (4242, 8, 3), "s3": (5353, 4, 3)}
 
 
 @pytest.mark.parametrize("backend", list(CASES))
@@ -46,6 +47,13 @@ def test_random_kills_never_leave_a_bad_checkpoint(
 
         def start(last: int, mode: str) -> tuple[BaseProcess, Event]:
             return start_on_gcs(launcher, tmp_path, folder, emulator, last, mode)
+
+    elif backend == "s3":
+        endpoint = request.getfixturevalue("s3_server").url
+        folder = f"{request.getfixturevalue('s3_bucket')}/run"
+
+        def start(last: int, mode: str) -> tuple[BaseProcess, Event]:
+            return start_on_s3(launcher, tmp_path, folder, endpoint, last, mode)
 
     else:
         folder, work = str(tmp_path / "run"), str(tmp_path / "work")

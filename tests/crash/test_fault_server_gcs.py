@@ -10,7 +10,14 @@ import random
 import time
 
 import pytest
-from support.crash_worker import JOIN_TIMEOUT, check_checkpoints, finish, start_on_gcs
+from support.crash_worker import (
+    JOIN_TIMEOUT,
+    check_checkpoints,
+    finish,
+    read_outcome,
+    run_recorded,
+    start_on_gcs,
+)
 from support.servers import FakeGCS, use_emulator
 
 pytestmark = pytest.mark.slow
@@ -38,13 +45,20 @@ def test_gcs_server_killed_mid_run_then_restarted(launcher, gcs_server, tmp_path
         for rep in range(4):
             mode = ["sync", "async"][rep % 2]
             last += 2
-            proc, ready = start_on_gcs(launcher, tmp_path, url, server.url, last, mode, **kw)
+            outcome = tmp_path / f"outcome-{rep}.json"
+            proc, ready = start_on_gcs(
+                launcher, tmp_path, url, server.url, last, mode,
+                target=run_recorded, outcome=str(outcome), **kw,
+            )  # fmt: skip
             assert ready.wait(JOIN_TIMEOUT)
             proc.join(rng.uniform(0.05, 0.6) * span)
             server.kill()  # SIGKILL the storage server, whatever the run is doing
             code = finish(proc)
-            assert code in (0, 1), f"repetition {rep}: exit code {code}"
-            failed += code == 1
+            chain = read_outcome(outcome)
+            assert (code, chain) == (0, None) or code == 1, f"repetition {rep}: {code}, {chain}"
+            if code == 1:
+                _assert_hit_by_the_server_death(chain, rep)
+                failed += 1
             server = FakeGCS(tmp_path, root=root, port=server.port).start()
             found = check_checkpoints(url, tmp_path / "check")
             assert found == list(range(1, found[-1] + 1)) if found else True
@@ -56,3 +70,12 @@ def test_gcs_server_killed_mid_run_then_restarted(launcher, gcs_server, tmp_path
     finally:
         server.stop()
         use_emulator(gcs_server.url)
+
+
+def _assert_hit_by_the_server_death(chain: list[dict] | None, rep: int) -> None:
+    """The run ended with a trainckpt error (not a failed assertion or another bug in the
+    worker) that comes from requests to the dead server failing past the retry deadline."""
+    assert chain, f"repetition {rep} exited with code 1 but recorded no exception"
+    assert chain[0]["checkpoint_error"], f"repetition {rep} failed with {chain[0]}"
+    text = " ".join(f"{e['type']}: {e['message']}" for e in chain)
+    assert "retry_deadline=3s" in text or "Connection refused" in text, chain

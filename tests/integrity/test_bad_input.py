@@ -88,7 +88,7 @@ def test_corrupt_or_empty_commit_record(ckpt, saved, content):
     [
         (b"", "is empty"),
         (b'{"format": 1, "files": ', "not JSON"),
-        (b'{"format": 2, "files": {}}', "format 2; this trainckpt reads format 1: upgrade"),
+        (b'{"format": 3, "files": {}}', "format 3; this trainckpt reads formats 1 and 2: upgrade"),
         (b'{"files": {}}', "format None"),
         (b'{"format": 1, "files": {"a": {"size": -1, "crc32c": "zz"}}}', "not a valid manifest"),
     ],

@@ -178,6 +178,42 @@ def rollback_run(
     ckpt.close()
 
 
+def run_recorded(*args: Any, outcome: str, **kwargs: Any) -> None:
+    """`run(*args, **kwargs)`; the exception that ends it, if any, is written to the file
+    `outcome` first (`recorded`), so the parent can tell why a run exited with code 1."""
+    with recorded(outcome):
+        run(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def recorded(outcome: str) -> Iterator[None]:
+    """Write the exception that ends the block to `outcome` as JSON (type, message and whether
+    it is a `CheckpointError`, for it and each exception it was raised from), then let it
+    propagate: a storage failure and a failed assertion both exit with code 1."""
+    try:
+        yield
+    except BaseException as e:
+        chain: list[dict[str, Any]] = []
+        error: BaseException | None = e
+        while error is not None and len(chain) < 8:
+            chain.append(
+                {
+                    "type": type(error).__name__,
+                    "checkpoint_error": isinstance(error, CheckpointError),
+                    "message": str(error)[:4000],
+                }
+            )
+            error = error.__cause__ or error.__context__
+        Path(outcome).write_text(json.dumps(chain))
+        raise
+
+
+def read_outcome(outcome: Path) -> list[dict[str, Any]] | None:
+    """The exception chain a `run_recorded` run wrote, outermost first; None if it ended
+    without one."""
+    return json.loads(outcome.read_text()) if outcome.exists() else None
+
+
 def save_once(
     url: str,
     work_dir: str,
@@ -419,6 +455,17 @@ def start_on_gcs(
 ) -> tuple[BaseProcess, Event]:
     """Start a run saving to the gs:// `url`, its client pointed at the server `emulator`."""
     env = {"STORAGE_EMULATOR_HOST": emulator, "NO_GCE_CHECK": "true"}
+    work = str(tmp_path / "work")
+    return launcher.start(str(tmp_path / "unused"), work, last, mode, url=url, env=env, **kw)
+
+
+def start_on_s3(
+    launcher: Launcher, tmp_path: Path, url: str, endpoint: str, last: int, mode: str, **kw: Any
+) -> tuple[BaseProcess, Event]:
+    """Start a run saving to the s3:// `url`, its client pointed at the server `endpoint`
+    with the test session's dummy credentials (the `s3_server` fixture set them)."""
+    env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    env["AWS_ENDPOINT_URL_S3"] = endpoint
     work = str(tmp_path / "work")
     return launcher.start(str(tmp_path / "unused"), work, last, mode, url=url, env=env, **kw)
 

@@ -1,5 +1,6 @@
 """Real servers on 127.0.0.1 for the storage tests: fake-gcs-server (the GCS JSON API, a separate
-process that crash tests can kill) and a static HTTP server that sends ETags and honours Range.
+process that crash tests can kill) and a static HTTP server that sends ETags and honours Range
+(or, when told to, ignores it).
 
 Imported by `tests/conftest.py`, which makes the fixtures below available to every test file.
 """
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import email.utils
-import hashlib
 import http.server
 import os
 import subprocess
@@ -158,31 +158,48 @@ class _StaticHandler(http.server.BaseHTTPRequestHandler):
         if self.server.root not in path.parents or not path.is_file():
             self.send_error(404)
             return
-        data = path.read_bytes()
-        etag = '"' + hashlib.sha1(data).hexdigest() + '"'
-        start, end, status = 0, len(data), 200
-        rng = self.headers.get("Range")
+        st = path.stat()
+        size = st.st_size
+        etag = f'"{st.st_ino:x}-{size:x}-{st.st_mtime_ns:x}"'  # changes with every rewrite
+        start, end, status = 0, size, 200
+        rng = None if self.server.ignore_range else self.headers.get("Range")
         if rng and rng.startswith("bytes="):
             first, _, last = rng[len("bytes=") :].partition("-")
             start = int(first)
-            end = min(len(data), int(last) + 1) if last else len(data)
-            if start >= len(data):
+            end = min(size, int(last) + 1) if last else size
+            if start >= size:
                 self.send_response(416)
-                self.send_header("Content-Range", f"bytes */{len(data)}")
+                self.send_header("Content-Range", f"bytes */{size}")
                 self.send_header("Content-Length", "0")
                 self.end_headers()
                 return
             status = 206
         self.send_response(status)
         self.send_header("ETag", etag)
-        self.send_header("Accept-Ranges", "bytes")
-        self.send_header("Last-Modified", email.utils.formatdate(path.stat().st_mtime, usegmt=True))
+        if not self.server.ignore_range:
+            self.send_header("Accept-Ranges", "bytes")
+        self.send_header("Last-Modified", email.utils.formatdate(st.st_mtime, usegmt=True))
         self.send_header("Content-Length", str(end - start))
         if status == 206:
-            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
         self.end_headers()
         if body:
-            self.wfile.write(data[start:end])
+            self._send_file(path, start, end)
+
+    def _send_file(self, path: Path, start: int, end: int) -> None:
+        """Bytes `[start, end)` of `path`, a MiB at a time (files may be huge and sparse);
+        a client that hangs up early ends the answer."""
+        with open(path, "rb") as f:
+            f.seek(start)
+            while start < end:
+                chunk = f.read(min(1024 * 1024, end - start))
+                if not chunk:  # the file shrank meanwhile: the client sees a short body
+                    return
+                try:
+                    self.wfile.write(chunk)
+                except (BrokenPipeError, ConnectionResetError):
+                    return
+                start += len(chunk)
 
 
 class StaticHTTPServer(http.server.ThreadingHTTPServer):
@@ -202,6 +219,8 @@ class StaticHTTPServer(http.server.ThreadingHTTPServer):
         of another test cannot use one up)."""
         self.refuse_head = False
         """Answer HEAD with 405, as some signed-URL servers and CDNs do."""
+        self.ignore_range = False
+        """Answer every GET with the whole file (200), as servers without Range support do."""
         self._lock = threading.Lock()
 
     def count(self, method: str, path: str, byte_range: str | None) -> None:
@@ -233,6 +252,7 @@ def http_folder(http_server: StaticHTTPServer) -> tuple[Path, str]:
     http_server.failures.clear()
     http_server.failure_path = None
     http_server.refuse_head = False
+    http_server.ignore_range = False
     name = uuid.uuid4().hex[:12]
     folder = http_server.root / name
     folder.mkdir()

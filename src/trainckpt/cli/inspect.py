@@ -19,7 +19,11 @@ from trainckpt.errors import CheckpointError, CheckpointNotFoundError
 from trainckpt.format import folder, layout
 from trainckpt.format.dcp_metadata import read_dcp_metadata
 from trainckpt.format.records import CheckpointManifest, CheckpointMetadata, read_manifest
-from trainckpt.format.trainer_state import deserialize_trainer_state
+from trainckpt.format.trainer_state import (
+    DEFAULT_MAX_BYTES,
+    deserialize_trainer_state,
+    read_trainer_state,
+)
 from trainckpt.storage import Storage, resolve
 
 
@@ -116,7 +120,8 @@ def describe_checkpoint(ckpt: str) -> CheckpointReport:
     trainer_state: dict[str, str] = {}
     if rank_files:
         where = storage.join(path, rank_files[0])
-        state = deserialize_trainer_state(storage.read_bytes(where), where)
+        data = read_trainer_state(storage, where, DEFAULT_MAX_BYTES)
+        state = deserialize_trainer_state(data, where)
         trainer_state = {str(k): describe_value(v) for k, v in state.items()}
     dcp_md = read_dcp_metadata(storage, dcp_folder)
     values = [_value_info(key, md) for key, md in dcp_md.state_dict_metadata.items()]

@@ -21,7 +21,11 @@ from trainckpt.errors import CheckpointNotFoundError, ConfigurationError
 from trainckpt.format import folder as save_folder
 from trainckpt.format import layout
 from trainckpt.format.records import CheckpointManifest
-from trainckpt.format.trainer_state import deserialize_trainer_state
+from trainckpt.format.trainer_state import (
+    DEFAULT_MAX_BYTES,
+    deserialize_trainer_state,
+    read_trainer_state,
+)
 from trainckpt.format.verify import (
     VerifyReport,
     check_crcs,
@@ -46,6 +50,7 @@ class LoadRequest:
     work_dir: Path
     pre_download: bool
     thread_count: int
+    max_trainer_state_bytes: int = DEFAULT_MAX_BYTES
 
 
 @dataclass(frozen=True)
@@ -89,9 +94,7 @@ def load_checkpoint(
             )
         error: Exception | None = None
         try:
-            trainer_state = _load_trainer_state(
-                storage, path, facts, group, required=bool(load_trainer_state)
-            )
+            trainer_state = _load_trainer_state(req, facts, required=bool(load_trainer_state))
         except Exception as e:  # each rank reads its own file: a failure may be one rank's
             error = e
         dist.agree(error, f"reading the trainer state of '{path}'", group)
@@ -184,17 +187,11 @@ def check_before_load(
     return ManifestFacts(manifest, manifest.world_size)
 
 
-def _load_trainer_state(
-    storage: Storage,
-    path: str,
-    facts: ManifestFacts,
-    group: dist.ProcessGroup | None,
-    *,
-    required: bool,
-) -> dict | None:
+def _load_trainer_state(req: LoadRequest, facts: ManifestFacts, *, required: bool) -> dict | None:
     """This rank's trainer state; rank 0's when the checkpoint was saved by another number
     of ranks (per-rank state such as data positions does not carry over rank by rank).
     Called on: each rank, for itself."""
+    storage, path, group = req.storage, req.dir, req.group
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     own = storage.join(path, layout.trainer_state_file(rank))
     rank0 = storage.join(path, layout.trainer_state_file(0))
@@ -212,7 +209,7 @@ def _load_trainer_state(
         )
     for candidate, of_rank in candidates:
         try:
-            data = storage.read_bytes(candidate)
+            data = read_trainer_state(storage, candidate, req.max_trainer_state_bytes)
         except FileNotFoundError:
             continue
         check_loaded_file(facts.manifest, layout.trainer_state_file(of_rank), data, candidate)

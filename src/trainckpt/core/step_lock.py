@@ -14,6 +14,11 @@ it just before and locks it afterwards sees that the path no longer names the fi
 and retries with a fresh one. A crash leaves the file behind, unlocked; the next lock of that
 folder takes it over and removes it.
 
+The holder describes itself in the lock file (for the messages of those refused) while it also
+holds a second lock, on byte 1 (the step lock is byte 0), which it drops once the description
+is written: a refused process takes that byte shared, blocking, before it reads the description,
+so it never reads the file between the holder's lock and its description.
+
 POSIX locks belong to a process, not to a file handle: another thread of the same process would
 get the lock from the kernel too (and its close would drop the holder's). Locks this process
 holds are therefore also recorded in `_held`, and refused before the kernel is asked.
@@ -39,6 +44,11 @@ _held: dict[str, tuple[int, str]] = {}
 """Lock files locked by this process -> (pid that claimed it, its description). A forked child
 inherits the dict, not the locks: entries of another pid do not count."""
 _held_lock = threading.Lock()
+
+_STEP = (1, 0)
+"""(length, start) of the step lock: byte 0 of the lock file."""
+_DESCRIBING = (1, 1)
+"""(length, start) of the lock held while the holder writes its description: byte 1."""
 
 
 class StepLock:
@@ -72,6 +82,7 @@ class StepLock:
                 return False
             self._fd = fd
             _held[key] = (os.getpid(), _describe(fd, self.purpose))
+            fcntl.lockf(fd, fcntl.LOCK_UN, *_DESCRIBING)  # readers may read the description
         return True
 
     def release(self) -> None:
@@ -95,16 +106,30 @@ class StepLock:
             if mine is not None and mine[0] == os.getpid():
                 # never open the file here: closing it would drop this process's own lock
                 return f"{mine[1]} (another thread of this process)"
-            try:
-                text = self.lock_file.read_text(errors="replace").strip()
-            except OSError:
-                text = ""
+            text = _read_description(self.lock_file)
         return text[:200] or "a live process (it has not described itself yet)"
 
 
+def _read_description(path: Path) -> str:
+    """The holder's description in the lock file, read once the holder has written it (the
+    describing byte, taken shared, waits for that); "" when there is none."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return ""
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_SH, *_DESCRIBING)
+        return os.pread(fd, 4096, 0).decode(errors="replace").strip()
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)  # drops the shared lock too
+
+
 def _lock(path: Path) -> int | None:
-    """An open, exclusively locked descriptor of the file now at `path`, or None when another
-    process holds the lock."""
+    """An open descriptor of the file now at `path` holding the step lock and the describing
+    lock (released by the caller once it described itself), or None when another process
+    holds the step lock."""
     while True:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -114,9 +139,11 @@ def _lock(path: Path) -> int | None:
                 "writable by the process that saves or deletes checkpoints"
             ) from e
         try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # Blocking: a reader or another taker holds the describing byte for microseconds.
+            fcntl.lockf(fd, fcntl.LOCK_EX, *_DESCRIBING)
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, *_STEP)
         except OSError as e:
-            os.close(fd)
+            os.close(fd)  # drops a describing lock taken before the step lock was refused
             if e.errno in (errno.EACCES, errno.EAGAIN):
                 return None
             raise StorageError(

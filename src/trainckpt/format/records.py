@@ -11,12 +11,12 @@ from __future__ import annotations
 import datetime as _dt
 import json
 from collections.abc import Iterable
-from typing import Literal, Protocol, TypeVar
+from typing import Final, Literal, Protocol, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from trainckpt.errors import CorruptCheckpointError
-from trainckpt.format.layout import FORMAT_VERSION, MANIFEST_FILE, METADATA_FILE
+from trainckpt.format.layout import MANIFEST_FILE, METADATA_FILE
 from trainckpt.storage.checksums import FileEntry
 from trainckpt.version import __version__
 
@@ -28,6 +28,14 @@ job of 10,000 ranks writes (one trainer-state file and a few shards per rank).""
 MAX_DCP_METADATA_BYTES = 1024 * 1024 * 1024
 """Largest DCP `.metadata` pickle read. It grows with values x shards (a chunk entry per
 shard of each tensor): a few hundred MB for a large FSDP job on thousands of ranks."""
+
+MANIFEST_FORMAT: Final = 1
+"""`format` of a manifest without `attempt`: what local and shared-filesystem saves write, and
+what trainckpt 0.1 wrote and reads."""
+MANIFEST_FORMAT_WITH_ATTEMPT: Final = 2
+"""`format` of a manifest that names its save `attempt` (object-store saves since 0.2). trainckpt
+0.1 forbids unknown fields, so it would call such a manifest invalid and advise deleting the
+checkpoint; the bumped number makes it say "upgrade trainckpt" instead. Readers take both."""
 
 _DAMAGED = "the checkpoint is damaged: delete it or restore it from a copy"
 _UNTRUSTED = "cannot be trusted: delete it or restore it from a copy"
@@ -67,13 +75,21 @@ class CheckpointManifest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    format: Literal[1] = FORMAT_VERSION
+    format: Literal[1, 2] = MANIFEST_FORMAT
+    """1, or 2 when the manifest names its save `attempt` (`MANIFEST_FORMAT_WITH_ATTEMPT`)."""
     step: int | None = None
     created_at: str = Field(default_factory=lambda: utc_now_iso())
     world_size: int = Field(default=1, ge=1)
     attempt: str | None = None
     """Object stores: the save attempt that wrote the checkpoint (the id its claim named)."""
     files: dict[str, FileEntry] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _format_of_attempt(self) -> CheckpointManifest:
+        """A manifest that names its attempt is format 2, so that 0.1 refuses it as newer."""
+        if self.attempt is not None:
+            self.format = MANIFEST_FORMAT_WITH_ATTEMPT
+        return self
 
     def to_json(self) -> bytes:
         raw = self.model_dump()
@@ -84,10 +100,11 @@ class CheckpointManifest(BaseModel):
     @classmethod
     def from_json(cls, data: bytes, where: str) -> CheckpointManifest:
         raw = _parse_json_object(data, where)
-        if raw.get("format") != FORMAT_VERSION:
+        if raw.get("format") not in (MANIFEST_FORMAT, MANIFEST_FORMAT_WITH_ATTEMPT):
             raise CorruptCheckpointError(
-                f"{where} has format {raw.get('format')!r}; this trainckpt reads format "
-                f"{FORMAT_VERSION}: upgrade trainckpt or re-save the checkpoint"
+                f"{where} has format {raw.get('format')!r}; this trainckpt reads formats "
+                f"{MANIFEST_FORMAT} and {MANIFEST_FORMAT_WITH_ATTEMPT}: upgrade trainckpt or "
+                "re-save the checkpoint"
             )
         return _validated(cls, raw, where, "manifest", f"the checkpoint {_UNVERIFIABLE}")
 

@@ -95,6 +95,22 @@ def numpy_value_problem(value: Any) -> str | None:
     return f"a {type(value).__module__}.{type(value).__qualname__}"
 
 
+_our_load = threading.local()
+"""`active` is True in the thread running `load_torch_plain`'s `torch.load`, and only there."""
+
+
+def _only_in_our_loads(name: str) -> None:
+    """Refuse a stand-in to any `torch.load` but ours. PyTorch's allow-list is one process-wide
+    set, so while we load, a `weights_only` load the user runs on another thread could reach
+    our stand-ins by name; it then fails as it would without trainckpt, instead of building
+    them. Called by every stand-in first."""
+    if not getattr(_our_load, "active", False):
+        raise pickle.UnpicklingError(
+            f"Unsupported global: GLOBAL {name} was not an allowed global by default "
+            "(trainckpt allows it in its own loads only)"
+        )
+
+
 class _NumpyDType:
     """Stands in for `numpy.dtype` while unpickling: built only from a plain dtype code, and
     given only the state numpy writes for one (a byte order)."""
@@ -103,6 +119,7 @@ class _NumpyDType:
     value: Any = None
 
     def __new__(cls, code: Any = None, align: Any = False, copy: Any = True, *rest: Any) -> Any:
+        _only_in_our_loads("numpy.dtype")
         if rest or type(code) is not str or code not in _PLAIN_DTYPE_CODES or align:
             raise _Refused(f"numpy.dtype{_short((code, align, copy, *rest))} is not a plain dtype")
         self = object.__new__(cls)
@@ -138,6 +155,7 @@ class _NumpyArray:
     value: Any = None
 
     def __new__(cls, *args: Any) -> Any:
+        _only_in_our_loads("numpy.ndarray")
         if args:
             raise _Refused(f"numpy.ndarray{_short(args)}: only an empty array to fill is built")
         return object.__new__(cls)
@@ -173,6 +191,7 @@ class _NumpyArray:
 
 def _numpy_reconstruct(subtype: Any, shape: Any, dtype: Any) -> _NumpyArray:
     """`numpy.core.multiarray._reconstruct` as numpy's own pickles call it, and only so."""
+    _only_in_our_loads("numpy.core.multiarray._reconstruct")
     if subtype is not _NumpyArray or shape != (0,) or dtype != b"b":
         raise _Refused(f"numpy _reconstruct{_short((subtype, shape, dtype))} is not a plain array")
     return _NumpyArray()
@@ -180,6 +199,7 @@ def _numpy_reconstruct(subtype: Any, shape: Any, dtype: Any) -> _NumpyArray:
 
 def _numpy_scalar(dtype: Any, raw: Any = None) -> Any:
     """`numpy.core.multiarray.scalar`: a numpy scalar from a plain dtype and its raw bytes."""
+    _only_in_our_loads("numpy.core.multiarray.scalar")
     if type(dtype) is not _NumpyDType or type(raw) is not bytes:
         raise _Refused("numpy scalar of something other than a plain dtype and its bytes")
     dt = dtype.built()
@@ -190,6 +210,7 @@ def _numpy_scalar(dtype: Any, raw: Any = None) -> Any:
 
 def _empty_bytes(*args: Any) -> bytes:
     """`bytes()`: how protocol 2 pickles `b""` (e.g. the data of an empty array)."""
+    _only_in_our_loads("builtins.bytes")
     if args:
         raise _Refused(f"bytes{_short(args)}: only bytes() is built")
     return b""
@@ -284,9 +305,13 @@ def load_torch_plain(data: bytes | Path, where: str) -> Any:
     source: Any = str(data) if isinstance(data, Path) else io.BytesIO(data)
     try:
         with _TORCH_LOAD_LOCK, torch.serialization.safe_globals(_TORCH_EXTRA_GLOBALS):
-            obj = torch.load(
-                source, weights_only=True, map_location="cpu", mmap=isinstance(data, Path)
-            )
+            _our_load.active = True
+            try:
+                obj = torch.load(
+                    source, weights_only=True, map_location="cpu", mmap=isinstance(data, Path)
+                )
+            finally:
+                _our_load.active = False
         return _materialize(obj, set())
     except Exception as e:
         reason = f"{type(e).__name__}: {_first_line(e)}"

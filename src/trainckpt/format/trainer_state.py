@@ -2,7 +2,11 @@
 states, scheduler). It is stored with `torch.save` and loaded by `safe_unpickle.load_torch_plain`
 (PyTorch's `weights_only` loader plus plain numpy values), so it may hold only plain types,
 tensors and numpy arrays of numeric/bool dtypes; anything else is refused when saving, not a week
-later when resuming."""
+later when resuming.
+
+A trainer-state file is read whole, so it is bounded like a record: `read_trainer_state` refuses
+one larger than `max_trainer_state_bytes` (`DEFAULT_MAX_BYTES` unless configured) by its size,
+before reading a byte of it, and saving refuses a state that would exceed the bound."""
 
 from __future__ import annotations
 
@@ -13,13 +17,21 @@ import torch
 
 from trainckpt.errors import CorruptCheckpointError, InvalidTrainStateError
 from trainckpt.format.safe_unpickle import load_torch_plain, numpy_value_problem
+from trainckpt.storage import Storage
+
+DEFAULT_MAX_BYTES = 1024**3
+"""Largest trainer-state file read by default (`CheckpointerConfig.max_trainer_state_bytes`).
+A trainer's state (step, data position, RNG states, scheduler) is kilobytes to a few MB."""
 
 _PLAIN = (str, bytes, int, float, bool, type(None), torch.Tensor, torch.Size, torch.dtype)
 
 
-def serialize_trainer_state(train_state: dict[str, Any], where: str) -> bytes:
+def serialize_trainer_state(
+    train_state: dict[str, Any], where: str, max_bytes: int = DEFAULT_MAX_BYTES
+) -> bytes:
     """`torch.save` bytes of the trainer state, refused now if they would not load back safely
-    (so a bad type fails the save, not the resume a week later). Called on: every rank."""
+    or are larger than `max_bytes` (so a bad type fails the save, not the resume a week later).
+    Called on: every rank."""
     if not isinstance(train_state, dict):
         raise InvalidTrainStateError(
             f"trainer state for '{where}' must be a dict, got {type(train_state).__name__}"
@@ -33,7 +45,33 @@ def serialize_trainer_state(train_state: dict[str, Any], where: str) -> bytes:
         load_torch_plain(buf.getvalue(), f"'{where}'")
     except Exception as e:
         raise _not_plain(where, str(e)) from e
+    if buf.tell() > max_bytes:
+        raise InvalidTrainStateError(
+            f"trainer state for '{where}' takes {buf.tell()} bytes, more than "
+            f"max_trainer_state_bytes={max_bytes}, so it could not be loaded back; keep large "
+            "data in the train module's state, or raise max_trainer_state_bytes (for saving "
+            "and loading alike)"
+        )
     return buf.getvalue()
+
+
+def read_trainer_state(storage: Storage, where: str, max_bytes: int) -> bytes:
+    """The bytes of the trainer-state file `where`: refused by its size (one stat or HEAD)
+    before any byte is read when larger than `max_bytes`, and read with a bound of
+    `max_bytes + 1` so a file that grows meanwhile (or a server that sends more) is refused too.
+    A missing file raises `FileNotFoundError`. Called on: every rank (its own file)."""
+    size = storage.size(where)
+    if size <= max_bytes:
+        data = storage.read_bytes(where, 0, max_bytes + 1)
+        size = len(data)
+        if size <= max_bytes:
+            return data
+    raise CorruptCheckpointError(
+        f"'{where}' holds {size} bytes, more than max_trainer_state_bytes={max_bytes} that a "
+        "trainer-state file is read with; it was not read. If the checkpoint is yours and its "
+        "trainer state is that large, raise max_trainer_state_bytes; otherwise the file is "
+        "damaged: load an older checkpoint or restore it from a copy"
+    )
 
 
 def _not_plain(where: str, culprits: str) -> InvalidTrainStateError:

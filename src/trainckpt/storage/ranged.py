@@ -14,14 +14,23 @@ Fetch = Callable[[int, int], "bytes | memoryview"]
 
 
 class RangeReader(io.RawIOBase):
-    """Read-only, seekable view of a remote file of known `size`; each read is one range fetch."""
+    """Read-only, seekable view of a remote file of known `size`; each read is one range fetch.
+    `on_close` releases what the fetch holds (an open connection), if anything."""
 
-    def __init__(self, name: str, size: int, fetch: Fetch) -> None:
+    def __init__(
+        self, name: str, size: int, fetch: Fetch, on_close: Callable[[], None] | None = None
+    ) -> None:
         super().__init__()
         self.name = name
         self.size = size
         self._fetch = fetch
+        self._on_close = on_close
         self._pos = 0
+
+    def close(self) -> None:
+        if not self.closed and self._on_close is not None:
+            self._on_close()
+        super().close()
 
     def readable(self) -> bool:
         return True
