@@ -47,6 +47,16 @@ if TYPE_CHECKING:  # imports DCP, which loads with the first save
 log = logging.getLogger(__name__)
 
 
+def _failed(target: str, error: Exception) -> CheckpointError:
+    """An unexpected error of the async save of `target`, as a `CheckpointError` naming it."""
+    failed = CheckpointError(
+        f"the async save of '{target}' failed ({type(error).__name__}: {error}); nothing of "
+        "it was committed: fix the cause and save again"
+    )
+    failed.__cause__ = error
+    return failed
+
+
 def _default_threads() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
@@ -90,7 +100,7 @@ class Checkpointer:
             thread_count=self.save_thread_count or 8, retry_deadline=self.retry_deadline
         )
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="trainckpt-save")
-        self._pending: Future[str] | None = None
+        self._pending: CallbacksFirstFuture[str] | None = None
         self._pending_dir = ""
         self._staging: Future[None] | None = None
         self._stager = Stager()
@@ -222,6 +232,8 @@ class Checkpointer:
         def run_and_resolve() -> None:
             try:
                 path = run()
+            except Exception as e:
+                committed.fail(e if isinstance(e, CheckpointError) else _failed(target, e))
             except BaseException as e:
                 committed.fail(e)
             else:
@@ -236,10 +248,13 @@ class Checkpointer:
             return committed
 
     def in_flight(self) -> tuple[str, Future[str]] | None:
-        """The target and future of the async save not waited for yet, if any (read without
-        the lock: the exit hooks call it, possibly while the main thread holds the lock)."""
+        """The target and future of the async save not waited for yet, if any: a failed one
+        whose error its future already handed out is not (read without the lock: the exit
+        hooks call it, possibly while the main thread holds the lock)."""
         pending = self._pending
-        return None if pending is None else (self._pending_dir, pending)
+        if pending is None or pending.error_seen:
+            return None
+        return self._pending_dir, pending
 
     def save_files(
         self,
@@ -341,14 +356,18 @@ class Checkpointer:
         self._local = None
 
     def _finish_pending(self) -> str | None:
+        """Wait for the async save not waited for yet; return its path, or raise its error
+        as it is (its own type) unless its future already handed it out: an error is raised
+        once. Called on: all ranks (training thread)."""
         with self._lock:
-            pending, self._pending = self._pending, None
+            pending, target, self._pending = self._pending, self._pending_dir, None
         if pending is None:
             return None
         try:
-            return pending.result()
+            return pending.result_once()
         except Exception as e:
-            raise CheckpointError(f"the previous async save failed: {e}") from e
+            e.add_note(f"(raised by the next checkpointer call: the async save of '{target}')")
+            raise
 
     def _prepare(
         self, where: str, train_module: TrainModule, train_state: dict, *, stage: bool

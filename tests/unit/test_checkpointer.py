@@ -4,6 +4,7 @@ bare DCP folders, trainer-state checks, `write_file`, `delete`, file:// URLs."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -13,9 +14,10 @@ from support.models import assert_same_state, fresh_module, make_module
 
 from trainckpt import (
     Checkpointer,
-    CheckpointError,
+    CheckpointerConfig,
     CheckpointNotFoundError,
     InvalidTrainStateError,
+    StorageError,
 )
 
 
@@ -61,15 +63,55 @@ def test_async_save_not_visible_before_commit_and_reuses_buffers(ckpt, tmp_path)
     assert ckpt._stager.nbytes == staged_bytes > 0
 
 
-def test_async_failure_travels_on_future_and_next_call(ckpt, tmp_path):
+def _failed_async_save(ckpt: Checkpointer, tmp_path: Path) -> Future[str]:
+    """An async save that fails in the background: its folder's parent is a file."""
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")
-    fut = ckpt.save_async(blocker / "step1", make_module(), {"step": 1})
-    with pytest.raises((OSError, CheckpointError)):
-        fut.result()
-    with pytest.raises(CheckpointError, match="previous async save failed"):
-        ckpt.save(tmp_path / "step2", make_module(), {"step": 2})
-    ckpt.save(tmp_path / "step2", make_module(), {"step": 2})  # raised once, then clear
+    future = ckpt.save_async(blocker / "step1", make_module(), {"step": 1})
+    error = future.exception()
+    assert type(error) is StorageError and "is a file, not a folder" in str(error), error
+    return future
+
+
+@pytest.mark.parametrize("next_call", ["save", "save_async", "load", "close"])
+def test_an_async_error_nobody_read_is_raised_once_by_the_next_call(
+    tmp_path: Path, next_call: str
+) -> None:
+    """The future's error, not read from it, is raised by the next call as it is (the
+    documented `StorageError`, not a plain `CheckpointError` around it), and by no later call."""
+    ckpt = CheckpointerConfig(work_dir=tmp_path / "work").build()
+    good = ckpt.save(tmp_path / "step1", make_module(), {"step": 1})
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    future = ckpt.save_async(blocker / "step2", make_module(), {"step": 2})
+    calls = {
+        "save": lambda: ckpt.save(tmp_path / "step3", make_module(), {"step": 3}),
+        "save_async": lambda: ckpt.save_async(tmp_path / "step3", make_module(), {"step": 3}),
+        "load": lambda: ckpt.load(good, fresh_module()),
+        "close": ckpt.close,
+    }
+    with pytest.raises(StorageError, match="is a file, not a folder") as raised:
+        calls[next_call]()
+    assert type(raised.value) is StorageError
+    assert any(str(blocker / "step2") in note for note in raised.value.__notes__)
+    if next_call != "close":
+        assert ckpt.load(good, fresh_module()) == {"step": 1}  # raised once
+        ckpt.save(tmp_path / "step4", make_module(), {"step": 4})
+    ckpt.close()
+    assert type(future.exception()) is StorageError  # the future still holds its outcome
+
+
+def test_an_async_error_read_from_the_future_is_not_raised_again(tmp_path: Path) -> None:
+    ckpt = CheckpointerConfig(work_dir=tmp_path / "work").build()
+    good = ckpt.save(tmp_path / "step1", make_module(), {"step": 1})
+    future = _failed_async_save(ckpt, tmp_path)
+    with pytest.raises(StorageError):
+        future.result()
+    assert ckpt.load(good, fresh_module()) == {"step": 1}  # not the stale error
+    _failed_async_save(ckpt, tmp_path)  # read with exception(): handed out as well
+    assert ckpt.wait() is None
+    ckpt.save(tmp_path / "step2", make_module(), {"step": 2})
+    ckpt.close()
 
 
 def test_load_options(ckpt, tmp_path):

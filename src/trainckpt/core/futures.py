@@ -7,6 +7,10 @@ records a metric from one. Its main thread waits for the save (`result()`) and t
 metrics across ranks, so with a plain future a callback may still add a metric on one rank and
 not yet on another: the ranks then reduce different tensors and the job dies on a collective
 mismatch. Here a waiter resumes only once the callbacks are done.
+
+It also remembers whether its error was handed to anyone (`result()` raised it, `exception()`
+returned it), so the checkpointer's next call raises a failed save's error only if nobody has
+seen it yet (`result_once`): an error is raised once.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ class CallbacksFirstFuture(Future[T]):
         super().__init__()
         self._callbacks_ran = threading.Event()
         self._completer: int | None = None
+        self._error_seen = False
 
     def resolve(self, value: T) -> None:
         self._complete(lambda: self.set_result(value))
@@ -47,11 +52,34 @@ class CallbacksFirstFuture(Future[T]):
     def result(self, timeout: float | None = None) -> T:
         try:
             return super().result(timeout)
+        except BaseException as e:
+            if self.done() and e is self._exception:  # type: ignore[attr-defined]
+                self._error_seen = True  # not a timeout of this wait: the save's own error
+            raise
         finally:
             if self.done():
                 self._wait_for_callbacks(timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         error = super().exception(timeout)
+        self._error_seen = self._error_seen or error is not None
         self._wait_for_callbacks(timeout)
         return error
+
+    @property
+    def error_seen(self) -> bool:
+        """True once `result()`, `exception()` or `result_once()` handed the error out."""
+        return self._error_seen
+
+    def result_once(self) -> T | None:
+        """Wait for the outcome; return the result, or raise the error unless a `result()` or
+        `exception()` call already handed it out (then return None). Called by the
+        checkpointer's next call after an async save (training thread)."""
+        error = super().exception()  # waits; hands out nothing
+        self._wait_for_callbacks(None)
+        if error is None:
+            return self.result()
+        if self._error_seen:
+            return None
+        self._error_seen = True
+        raise error
