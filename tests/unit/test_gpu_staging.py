@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from trainckpt import Checkpointer, ConfigurationError, ModelAndOptim
-from trainckpt.core.shared_memory import ALIGN
+from trainckpt.core.shared_memory import ALIGN, locate
 from trainckpt.core.staging import Stager
 
 
@@ -58,19 +58,22 @@ def _dtensor(local: torch.Tensor, mesh: DeviceMesh, placement: object) -> DTenso
 @pytest.mark.usefixtures("one_rank")
 def test_a_staged_dtensor_is_the_stagers_cpu_buffer_on_the_same_mesh() -> None:
     """FSDP2 state on a CUDA mesh: the staged DTensor's local tensor is the stager's own CPU
-    buffer (no copy back to the mesh's device, which `DTensor.from_local` would make)."""
+    buffer (no copy back to the mesh's device, which `DTensor.from_local` would make), in the
+    shared memory a writer process reads (no scratch copy per save)."""
     fake = RecordingCuda(current_device=1)
     mesh = DeviceMesh("cuda", [0], _init_backend=False)  # claims CUDA; this machine has none
     local = torch.randn(3, 5)
     fake.claim(local, 1)
     stager = Stager(cuda=fake)
-    staged = stager.stage({"w": _dtensor(local, mesh, Shard(0))})["w"]
+    staged = stager.stage({"w": _dtensor(local, mesh, Shard(0))}, shared=True)["w"]
     assert isinstance(staged, DTensor)
     assert staged.device_mesh is mesh and staged.placements == (Shard(0),)
     assert staged.shape == (6, 5)
     staged_local = staged.to_local()
     assert staged_local.device.type == "cpu"
     assert staged_local.data_ptr() == stager._buffers[".w"].data_ptr()
+    found = locate(staged_local)
+    assert found is not None and found[0] in stager._arenas
     assert any(a <= staged_local.data_ptr() < a + n for a, n in fake.pinned.items())
     assert torch.equal(staged_local, local)
 
@@ -203,6 +206,7 @@ def test_staging_memory_is_one_flat_buffer_of_the_states_size() -> None:
     assert size == expected == stager.nbytes
     for t in staged.values():
         assert address <= t.data_ptr() and t.data_ptr() + t.nbytes <= address + size
+        assert locate(t) is None  # private memory (threads' writer): no memory file
 
 
 def test_a_synchronous_save_waits_for_the_trainers_stream(

@@ -110,20 +110,20 @@ def allocate(
     threads write could either: `writer_process._export` fails on it as their write would).
     Pinning stops at the first arena CUDA refuses (it is not retried)."""
     limit = file_size_limit() if shared else None
-    pieces: list[list[int]] = []  # per arena: the offset of each buffer, then its end
+    ends: list[int] = []  # per arena: where its last buffer ends
     where: list[tuple[int, int]] = []
     for size in sizes:
-        if pieces and (limit is None or _aligned(pieces[-1][-1]) + size <= limit):
-            offset = _aligned(pieces[-1][-1])
-            pieces[-1][-1] = offset + size
+        if ends and (limit is None or _aligned(ends[-1]) + size <= limit):
+            offset = _aligned(ends[-1])
+            ends[-1] = offset + size
         else:
             offset = 0
-            pieces.append([size])
-        where.append((len(pieces) - 1, offset))
+            ends.append(size)
+        where.append((len(ends) - 1, offset))
     arenas: list[Arena] = []
-    for piece in pieces:
-        size = piece[-1]
-        arenas.append(Arena(size, shared=limit is None or size <= limit, pin=pin))
+    for size in ends:
+        fits = limit is None or size <= limit
+        arenas.append(Arena(size, shared=shared and fits, pin=pin))
         if arenas[-1].pin_refused:
             pin = None
     return [(arenas[i], offset) for i, offset in where]
