@@ -103,7 +103,7 @@ class Checkpointer:
         self._pending: CallbacksFirstFuture[str] | None = None
         self._pending_dir = ""
         self._staging: Future[None] | None = None
-        self._stager = Stager()
+        self._stager = Stager(on_release=self._unmap_staging)
         self._writer: WriterProcess | None = None
         if self.async_writer == "process":
             self._writer_process().start()  # its start-up overlaps the trainer's
@@ -153,6 +153,7 @@ class Checkpointer:
         start = time.perf_counter()
         req = self._request(dir, ephemeral)
         trainer_bytes, state = self._prepare(req.dir, train_module, train_state, stage=False)
+        self._stager.wait_for_trainer(state)  # the writer threads read GPU state on their streams
         path = save_checkpoint(req, self._training_files(req, train_module, trainer_bytes, state))
         self._log_saved(path, start, start)
         return path
@@ -199,7 +200,7 @@ class Checkpointer:
         trainer_bytes, state = self._prepare(
             req.dir, train_module, train_state, stage=not overlap_staging
         )
-        mark = self._stager.mark() if overlap_staging else None  # the GPU state as of now
+        mark = self._stager.mark(state) if overlap_staging else None  # GPU state as of now
         staging: Future[None] = Future()
         if not overlap_staging:
             staging.set_result(None)
@@ -295,6 +296,11 @@ class Checkpointer:
             self._writer = WriterProcess()
         self._writer.threads = self.save_thread_count or default_threads()
         return self._writer
+
+    def _unmap_staging(self) -> None:
+        """The stager dropped its buffers: the writer process lets go of them too."""
+        if self._writer is not None:
+            self._writer.unmap_all()
 
     def _stage_in_background(
         self, req: SaveRequest, state: dict[str, Any], done: Future[None], mark: StreamMark | None

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -67,6 +69,8 @@ def test_the_writer_process_writes_the_threads_files(tmp_path: Path) -> None:
         by_process = save_state(
             staged, tmp_path / "p" / "dcp", group=None, thread_count=3, shard_writer=writer
         )
+        assert writer._proc is not None  # the scratch arena of the views is unmapped
+        assert _staging_maps(writer._proc.pid) == {a.id[:8] for a in stager._arenas}
     finally:
         writer.close()
     by_threads = save_state(staged, tmp_path / "t" / "dcp", group=None, thread_count=3)
@@ -188,18 +192,79 @@ def test_a_write_error_in_the_writer_process_names_the_file(tmp_path: Path) -> N
     assert writer.poll() is not None
 
 
-def test_no_shared_memory_for_staging_is_a_clear_error(ckpt: Checkpointer, tmp_path: Path) -> None:
-    """The arena is a memory file: a limit that refuses it fails the call, saying what to do."""
-    module = make_module(width=256)
-    with (
-        _file_size_limit(256 << 10),
-        pytest.raises(
-            StorageError, match=r"cannot allocate .* MB of shared memory .* async_writer='thread'"
-        ),
-    ):
-        ckpt.save_async(tmp_path / "run" / "step1", module, {"step": 1})
-    path = ckpt.save_async(tmp_path / "run" / "step1", module, {"step": 1}).result()
-    assert Checkpointer.verify(path, deep=True).ok
+UNDER_A_FILE_SIZE_LIMIT = textwrap.dedent(
+    """
+    import json, resource, sys
+    sys.path.insert(0, sys.argv[2])
+    import torch
+    from support.models import assert_same_state, fresh_module, make_module
+    from trainckpt import CheckpointerConfig, ModelAndOptim, StorageError
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+    root = sys.argv[1]
+    ckpt = CheckpointerConfig(
+        work_dir=root + "/work", async_writer="process", save_thread_count=4
+    ).build()
+    module = make_module(width=192)  # 2 MB of state; its 4 shard files are below 1 MiB
+    ckpt.save(root + "/run/step1", module, {"step": 1})  # the threads write it
+    path = ckpt.save_async(root + "/run/step2", module, {"step": 2}).result()
+    loaded = fresh_module(width=192)
+    ckpt.load(path, loaded)
+    assert_same_state(module, loaded)
+    big = ModelAndOptim(torch.nn.Linear(600, 500), None)  # a 1.2 MB weight: no file can hold it
+    errors = []
+    for save in (ckpt.save, lambda *a: ckpt.save_async(*a).result()):
+        try:
+            save(root + "/big/step3", big, {"step": 3})
+        except StorageError as e:
+            errors.append(str(e))
+    print(json.dumps(errors))
+    """
+)
+
+
+def test_under_a_file_size_limit_the_process_writes_what_the_threads_write(
+    tmp_path: Path,
+) -> None:
+    """A file-size limit (`ulimit -f`) below the state's size but above each shard file's: the
+    writer process saves what the threads save (its shared memory, which counts against the
+    limit, comes in pieces within it). A tensor above the limit fails both with the same
+    StorageError, naming the file and the limit."""
+    tests = Path(__file__).parents[1]
+    run = subprocess.run(
+        [sys.executable, "-c", UNDER_A_FILE_SIZE_LIMIT, str(tmp_path), str(tests)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    by_threads, by_process = json.loads(run.stdout.splitlines()[-1])
+    assert re.search(
+        r"cannot write '.*big/step3-tmp/model_and_optim/__0_\d\.distcp': .*"
+        r"RLIMIT_FSIZE, ulimit -f: 1048576 bytes",
+        by_threads,
+    ), by_threads
+    assert by_process == by_threads
+
+
+def _staging_maps(pid: int) -> set[str]:
+    """The staging arenas process `pid` maps (by the first 8 digits of their ids)."""
+    return set(re.findall(r"trainckpt-staging-(\w{8})", Path(f"/proc/{pid}/maps").read_text()))
+
+
+def test_after_a_shape_change_the_writer_lets_go_of_the_old_arena(
+    ckpt: Checkpointer, tmp_path: Path
+) -> None:
+    """New shapes, new arenas: the writer process unmaps the old ones before they are
+    allocated (not at the next job), so the old memory is freed then."""
+    ckpt.save_async(tmp_path / "step1", make_module(width=32), {"step": 1}).result()
+    pid = ckpt._writer._proc.pid
+    old = {a.id[:8] for a in ckpt._stager._arenas}
+    assert _staging_maps(pid) == old
+    future = ckpt.save_async(tmp_path / "step2", make_module(width=48), {"step": 2})
+    assert not _staging_maps(pid) & old  # staged anew: the old arena is gone already
+    future.result()
+    new = {a.id[:8] for a in ckpt._stager._arenas}
+    assert _staging_maps(pid) == new and not new & old
 
 
 TRAINER = textwrap.dedent(

@@ -1,18 +1,20 @@
 """Copy a state dict into CPU memory so training can go on while the copy is written.
 
-`Stager` keeps the buffers of the previous copy and reuses them when the next state has the same
-keys, shapes, dtypes and pinning, so repeated async saves cost one copy of the state in memory,
-allocated once. For a writer process (`async_writer="process"`) the buffers are carved out of
-one shared-memory arena (`shared_memory.py`) that process maps. Only one staged copy is alive
-at a time: the caller must not stage again while a save of the previous copy is still writing
-(the checkpointer waits for it).
+`Stager` copies every tensor of the state (a DTensor: its local shard) into one flat buffer
+(an arena, `shared_memory.py`; for a writer process, shared ones that process maps), and keeps
+it for the next state of the same keys, shapes and dtypes: repeated async saves cost one copy of
+the state in memory, allocated once. Only one staged copy is alive at a time: the caller must
+not stage again while a save of the previous copy is still writing (the checkpointer waits for
+it). A staged DTensor keeps its mesh and placements but its local tensor is the CPU buffer
+(built as DCP's own stager builds it: `DTensor.from_local` would move it back to the mesh's
+device), so the writers never see device memory. `Partial` placements are refused.
 
-On a GPU (CUDA in use by the trainer) the copies go into pinned buffers, on a side stream of the
-trainer's device that first waits for the trainer's stream as it was at `mark()`: the copy reads
-the state as of that point, whatever the trainer queues afterwards, and runs alongside the
-trainer's next kernels. `stage` returns once the copies are complete. (State on another GPU of
-the same rank is copied on that device's current stream, then that device is synchronized.)
-Written to this contract but run only on CPU so far: see README "Performance".
+On a GPU, with the rank's device current throughout (no context on another GPU): the buffer is
+page-locked; `mark` records an event on the trainer's current stream of every device holding
+state; the copies run non-blocking on a side stream per device that first waits for that event,
+so they read the state as of `mark` and overlap the trainer's next kernels; every side stream is
+synchronized before `stage` returns. All CUDA calls go through `CudaCalls` (`cuda_calls.py`).
+Written to this contract but run only on CPU, with a recording fake (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -20,176 +22,195 @@ from __future__ import annotations
 import copy
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from trainckpt.core.shared_memory import Arena, layout
+from trainckpt.core.cuda_calls import CudaCalls
+from trainckpt.core.shared_memory import Arena, Pinning, allocate
+from trainckpt.errors import ConfigurationError
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class StreamMark:
-    """A point in the trainer's CUDA stream: the copies of a staging wait for it."""
+    """Where the trainer's CUDA streams were when a save was asked for."""
 
     device: int
-    event: Any  # torch.cuda.Event, recorded on the trainer's current stream
+    """The rank's device: current on the training thread at `mark`."""
+    events: dict[int, Any]
+    """Per device holding state: an event recorded on the trainer's current stream there."""
 
 
 class Stager:
-    """Stages state dicts into reusable CPU buffers."""
+    """Stages state dicts into one reusable CPU buffer. `cuda`: the CUDA calls (tests pass a
+    fake). `on_release` runs whenever the buffers are dropped (the writer process unmaps its
+    views of them then)."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, cuda: CudaCalls | None = None, on_release: Callable[[], None] | None = None
+    ) -> None:
+        self.cuda = cuda if cuda is not None else CudaCalls()
+        self._on_release = on_release
         self._buffers: dict[str, torch.Tensor] = {}
-        self._arena: Arena | None = None  # holds every buffer, in shared mode
+        self._arenas: list[Arena] = []  # hold every buffer
+        self._layout: tuple[bool, bool, list[tuple[str, torch.Size, torch.dtype]]] | None = None
         self._streams: dict[int, Any] = {}
-        self._devices: set[int] = set()  # GPUs the current `stage` copies from
+        self._pin_refused = False  # CUDA refused to page-lock: never asked again
 
-    def mark(self) -> StreamMark | None:
-        """Record where the calling (training) thread's CUDA stream is; None when CUDA is not in
-        use. Called on the training thread when a save is asked for."""
-        if not _cuda_in_use():
+    def mark(self, state: Any) -> StreamMark | None:
+        """Record where the calling (training) thread's CUDA streams are on every device that
+        holds a tensor of `state`; None when none does. Called on the training thread when a
+        save is asked for."""
+        if not self.cuda.in_use():
             return None
-        device = torch.cuda.current_device()
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        return StreamMark(device, event)
+        devices = sorted(_devices(state, self.cuda))
+        if not devices:
+            return None
+        return StreamMark(self.cuda.current_device(), {d: self.cuda.mark(d) for d in devices})
+
+    def wait_for_trainer(self, state: Any) -> None:
+        """Wait for the work the calling thread queued on its current streams of the devices
+        holding `state`: a synchronous save's writer threads then read it on their own streams.
+        Called on: the training thread."""
+        if self.cuda.in_use():
+            for device in sorted(_devices(state, self.cuda)):
+                self.cuda.synchronize_current(device)
 
     def stage(self, state: Any, after: StreamMark | None = None, *, shared: bool = False) -> Any:
         """A copy of `state` whose tensors live in this stager's CPU buffers, complete when this
-        returns. `after` is the trainer's stream position the copies must follow (from
-        `mark()`); staging on the training thread may leave it out (the current position).
-        `shared`: the buffers are in one shared-memory arena (for a writer process).
+        returns. `after` is the trainer's stream position the copies must follow (`mark(state)`);
+        staging on the training thread may leave it out (the current position).
+        `shared`: the buffers are in shared memory (for a writer process).
         Called on: the training thread, or the checkpointer's background thread with `after`."""
-        if shared:
-            self._allocate_shared(state)
-        elif self._arena is not None:
-            self.release()  # the writer process is no longer used
-        mark = after if after is not None else self.mark()
-        stream = None if mark is None else self._side_stream(mark)
-        used: set[str] = set()
-        self._devices = set()
-        with nullcontext() if stream is None else torch.cuda.stream(stream):
-            staged = self._copy(state, "", used)
-        if stream is not None and mark is not None:
-            # The source tensors stay referenced by `state` until here, so the caching
-            # allocator cannot hand their memory to the trainer while a copy reads it.
-            stream.synchronize()
-            for device in self._devices - {mark.device}:  # state on another GPU of this rank:
-                torch.cuda.synchronize(device)  # copied on that device's current stream
-        for key in set(self._buffers) - used:  # drop buffers of state that went away
-            del self._buffers[key]
-        return staged
+        leaves = dict(_leaves(state, "", refuse_partial=True))
+        mark = after if after is not None else self.mark(state)
+        with nullcontext() if mark is None else self.cuda.on_device(mark.device):
+            self._allocate(leaves, shared, mark)
+            self._copy(leaves, mark)
+        return self._rebuild(state, "")
 
     def release(self) -> None:
         """Free the buffers (the next `stage` allocates anew)."""
-        self._buffers.clear()
-        self._arena = None
-
-    def _allocate_shared(self, state: Any) -> None:
-        """Put a buffer for every tensor of `state` into one new arena, unless the current
-        arena already holds buffers of exactly these keys, shapes and dtypes."""
-        leaves = dict(_leaves(state, ""))
-        pin = any(t.is_cuda for t in leaves.values())
-        if (
-            self._arena is not None
-            and leaves.keys() == self._buffers.keys()
-            and all(
-                self._buffers[k].shape == t.shape and self._buffers[k].dtype == t.dtype
-                for k, t in leaves.items()
-            )
-            and (self._arena.pinned or not pin)
-        ):
-            return
-        self._buffers, self._arena = {}, None  # the old arena goes before the new one comes
-        offsets, size = layout([t.numel() * t.element_size() for t in leaves.values()])
-        arena = Arena(size, pin=pin)
-        self._buffers = {
-            k: arena.tensor(offset, t.shape, t.dtype)
-            for (k, t), offset in zip(leaves.items(), offsets, strict=True)
-        }
-        self._arena = arena
-        log.info("allocated %.1f MB of shared staging memory", size / 1e6)
+        self._buffers, self._arenas, self._layout = {}, [], None
+        if self._on_release is not None:
+            self._on_release()
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._buffers.values())
+        """Bytes of memory the buffers take (the arenas: the state's bytes, each buffer's start
+        aligned to 64 bytes)."""
+        return sum(arena.size for arena in self._arenas)
 
-    def _side_stream(self, mark: StreamMark) -> Any:
-        """This stager's copy stream on the mark's device, made to wait for the mark."""
-        stream = self._streams.get(mark.device)
-        if stream is None:
-            stream = self._streams[mark.device] = torch.cuda.Stream(device=mark.device)
-        stream.wait_event(mark.event)
-        return stream
+    def _allocate(self, leaves: dict[str, torch.Tensor], shared: bool, mark: Any) -> None:
+        """A buffer for every tensor of `leaves`, in new arenas unless the current ones hold
+        buffers of exactly these keys, shapes and dtypes (and were pinned if asked to)."""
+        pin = mark is not None and not self._pin_refused
+        layout = [(k, t.shape, t.dtype) for k, t in leaves.items()]
+        if self._layout is not None:
+            was_shared, was_pinned, old = self._layout
+            if old == layout and was_shared == shared and (was_pinned or not pin):
+                return
+        self.release()  # the old buffers go before the new ones come
+        places = allocate(
+            [t.numel() * t.element_size() for t in leaves.values()],
+            shared=shared,
+            pin=Pinning(self.cuda, mark.device) if pin else None,
+        )
+        self._buffers = {
+            k: arena.tensor(offset, t.shape, t.dtype)
+            for (k, t), (arena, offset) in zip(leaves.items(), places, strict=True)
+        }
+        self._arenas = list({id(arena): arena for arena, _ in places}.values())
+        self._layout = (shared, pin, layout)
+        if any(arena.pin_refused for arena in self._arenas):
+            self._pin_refused = True
+            log.warning(
+                "CUDA refused to page-lock %.1f MB of staging memory (cudaHostRegister); staging "
+                "goes on in unpinned memory, where each copy from the GPU is slower and waits for "
+                "the copy stream (docs/gpu.md). Not retried in this process.",
+                self.nbytes / 1e6,
+            )
+        log.info("allocated %.1f MB of staging memory", self.nbytes / 1e6)
 
-    def _copy(self, obj: Any, path: str, used: set[str]) -> Any:
+    def _copy(self, leaves: dict[str, torch.Tensor], mark: StreamMark | None) -> None:
+        """Fill the buffers: CPU tensors at once; device tensors on each device's side stream
+        after the mark, then wait for every side stream. The sources stay referenced (by
+        `leaves`) until then, so the caching allocator cannot hand their memory to the trainer
+        while a copy reads it."""
+        on_device: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for key, t in leaves.items():
+            device = None if mark is None else self.cuda.device_of(t)
+            if device is None:
+                self._buffers[key].copy_(t)
+            else:
+                on_device.setdefault(device, []).append((self._buffers[key], t))
+        streams = []
+        for device, pairs in on_device.items():
+            assert mark is not None
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = self.cuda.new_stream(device)
+            self.cuda.wait(stream, mark.events[device])
+            with self.cuda.on_stream(stream):
+                for buf, t in pairs:
+                    self.cuda.copy(buf, t)
+            streams.append(stream)
+        for stream in streams:
+            self.cuda.synchronize(stream)
+
+    def _rebuild(self, obj: Any, path: str) -> Any:
+        """`obj` with each tensor replaced by its buffer (keys as `_leaves` made them)."""
         DTensor = dtensor_type()
         if DTensor is not None and isinstance(obj, DTensor):
-            local = self._copy_tensor(obj.to_local(), path, used)
-            return DTensor.from_local(
-                local,
-                obj.device_mesh,
-                obj.placements,
-                run_check=False,
-                shape=obj.shape,
-                stride=obj.stride(),
-            )
+            # As DCP's stager does: the local tensor stays the CPU buffer, mesh and placements
+            # stay as they are (from_local would copy it to the mesh's device).
+            return DTensor(self._buffers[path], obj._spec, requires_grad=False)
         if isinstance(obj, torch.Tensor):
-            return self._copy_tensor(obj, path, used)
+            return self._buffers[path]
         if isinstance(obj, dict):
-            return {k: self._copy(v, f"{path}.{k}", used) for k, v in obj.items()}
+            return {k: self._rebuild(v, f"{path}.{k}") for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
-            items = [self._copy(v, f"{path}.{i}", used) for i, v in enumerate(obj)]
+            items = [self._rebuild(v, f"{path}.{i}") for i, v in enumerate(obj)]
             if isinstance(obj, list):
                 return items
             return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
         return copy.deepcopy(obj)
 
-    def _copy_tensor(self, t: torch.Tensor, path: str, used: set[str]) -> torch.Tensor:
-        t = t.detach()
-        used.add(path)
-        pin = t.is_cuda
-        if pin:
-            self._devices.add(t.device.index or 0)
-        buf = self._buffers.get(path)
-        # (is_pinned is asked only of GPU state: on a CPU trainer it could initialize CUDA. An
-        # arena CUDA would not register stays in use: its copies are synchronous but right.)
-        if (
-            buf is None
-            or buf.shape != t.shape
-            or buf.dtype != t.dtype
-            or (pin and self._arena is None and not buf.is_pinned())
-        ):
-            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-            self._buffers[path] = buf
-        buf.copy_(t, non_blocking=pin)  # from the GPU: on the side stream, into pinned memory
-        return buf
 
-
-def _leaves(obj: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors `Stager._copy` copies (DTensors as their local shards), keyed as it keys
-    its buffers."""
+def _leaves(
+    obj: Any, path: str, refuse_partial: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of `obj` to copy (DTensors as their local shards), keyed by path. With
+    `refuse_partial`, a DTensor with a `Partial` placement is refused: its local tensors are
+    not shards of the value but summands of it, which no checkpoint stores."""
     DTensor = dtensor_type()
     if DTensor is not None and isinstance(obj, DTensor):
+        if refuse_partial and any(p.is_partial() for p in obj.placements):
+            raise ConfigurationError(
+                f"cannot stage '{path.lstrip('.')}': it is a DTensor with a Partial placement "
+                f"({obj.placements}), a pending reduction; reduce it first (e.g. "
+                "redistribute to Replicate) before saving"
+            )
         yield path, obj.to_local().detach()
     elif isinstance(obj, torch.Tensor):
         yield path, obj.detach()
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            yield from _leaves(v, f"{path}.{k}")
+            yield from _leaves(v, f"{path}.{k}", refuse_partial)
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            yield from _leaves(v, f"{path}.{i}")
+            yield from _leaves(v, f"{path}.{i}", refuse_partial)
 
 
-def _cuda_in_use() -> bool:
-    """CUDA is there and the trainer has used it (staging never initializes CUDA itself)."""
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
+def _devices(state: Any, cuda: CudaCalls) -> set[int]:
+    """The CUDA devices holding a tensor of `state`."""
+    found = (cuda.device_of(t) for _, t in _leaves(state, ""))
+    return {d for d in found if d is not None}
 
 
 def dtensor_type() -> Any:

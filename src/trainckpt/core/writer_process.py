@@ -22,6 +22,7 @@ The process is started with `python -m trainckpt.core.writer_process`, not by
 
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import mmap
@@ -41,10 +42,11 @@ from pathlib import Path
 
 import torch
 
-from trainckpt.core.shared_memory import Arena, Span, layout, locate
+from trainckpt.core.shared_memory import Arena, Span, allocate, file_size_limit, locate
 from trainckpt.errors import CheckpointError, StorageError
 from trainckpt.faults import fault_point
 from trainckpt.format.shard_writer import ItemData, Shard, WrittenShard, write_shard
+from trainckpt.storage.local import write_failure
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +82,8 @@ class Job:
     """Id -> size of every arena the job reads; the process unmaps any other."""
     new_arenas: list[str]
     """Arenas the process has not mapped yet: their descriptors follow the job, in order."""
+    scratch: list[str]
+    """Arenas of this save only: the process unmaps them once it is done."""
 
 
 class WriterProcess:
@@ -106,8 +110,8 @@ class WriterProcess:
     ) -> list[WrittenShard]:
         if not shards:
             return []
-        arenas: dict[str, Arena] = {}  # also keeps a scratch arena alive until the end
-        job_shards = _export(shards, arenas)
+        arenas: dict[str, Arena] = {}  # also keeps scratch arenas alive until the end
+        job_shards, scratch = _export(folder, shards, arenas)
         conn, pid = self._connection()
         new = [a for a in arenas if a not in self._mapped]
         job = Job(
@@ -118,13 +122,14 @@ class WriterProcess:
             job_shards,
             {a: arena.size for a, arena in arenas.items()},
             new,
+            scratch,
         )
         written: dict[str, WrittenShard] = {}
         try:
             conn.send(job)
             for a in new:
                 send_handle(conn, arenas[a].fd, pid)
-            self._mapped = set(arenas)
+            self._mapped = set(arenas) - set(scratch)
             while True:
                 kind, payload = conn.recv()
                 if kind == "done":
@@ -163,6 +168,20 @@ class WriterProcess:
             except OSError:
                 pass
         self._stop(wait=10.0)
+
+    def unmap_all(self) -> None:
+        """Have the process unmap every arena it holds, now: the stager is dropping them (a
+        shape change), so their memory is freed before new arenas are allocated, not when the
+        next job arrives. Called on: the thread that stages, while no save is writing."""
+        if not self._mapped or self._conn is None:
+            return
+        try:
+            self._conn.send("unmap")
+            self._conn.recv()  # "unmapped"
+        except (EOFError, OSError) as e:
+            log.warning("the writer process is gone (%s); the next save starts a new one", e)
+            self._stop()
+        self._mapped = set()
 
     def _connection(self) -> tuple[Connection, int]:
         """The socket to a live writer process, starting one if there is none."""
@@ -208,24 +227,35 @@ def _exit_text(code: int | None) -> str:
     return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
 
 
-def _export(shards: list[Shard], arenas: dict[str, Arena]) -> list[tuple[str, list]]:
+def _export(
+    folder: Path, shards: list[Shard], arenas: dict[str, Arena]
+) -> tuple[list[tuple[str, list]], list[str]]:
     """The job's view of `shards`: each tensor as a reference into the arena that holds it
-    (filled into `arenas`). A tensor outside every arena (a view `_resolve` cloned) is first
-    copied into one scratch arena for this save."""
+    (filled into `arenas`), and the ids of the scratch arenas made for this save: a tensor
+    outside every shared arena (a view `_resolve` cloned) is first copied into one. A tensor
+    larger than the file-size limit fails the save as the threads' write of its file would (no
+    shared arena can hold it)."""
     resolved = [(s.name, [s.resolve(item) for item in s.items]) for s in shards]
-    outside = [
-        d
-        for _, items in resolved
+    outside = {
+        id(d): (name, d)
+        for name, items in resolved
         for d in items
         if isinstance(d, torch.Tensor) and d.numel() and locate(d) is None
-    ]
+    }
+    limit = file_size_limit()
+    for name, t in outside.values():
+        if limit is not None and t.untyped_storage().nbytes() > limit:
+            raise write_failure(folder / name, OSError(errno.EFBIG, os.strerror(errno.EFBIG)))
+    scratch: set[str] = set()
     if outside:
-        offsets, size = layout([t.untyped_storage().nbytes() for t in outside])
-        scratch = Arena(size)
-        pairs = zip(outside, offsets, strict=True)
-        copies = {id(t): scratch.copy_of(offset, t) for t, offset in pairs}
+        tensors = [t for _, t in outside.values()]
+        places = allocate([t.untyped_storage().nbytes() for t in tensors], shared=True)
+        pairs = zip(tensors, places, strict=True)
+        copies = {id(t): arena.copy_of(offset, t) for t, (arena, offset) in pairs}
+        scratch = {arena.id for arena, _ in places}
         resolved = [(name, [copies.get(id(d), d) for d in items]) for name, items in resolved]
-    return [(name, [_reference(d, arenas) for d in items]) for name, items in resolved]
+    job = [(name, [_reference(d, arenas) for d in items]) for name, items in resolved]
+    return job, sorted(scratch)
 
 
 def _reference(data: ItemData, arenas: dict[str, Arena]) -> TensorRef | bytes:
@@ -255,6 +285,10 @@ def _serve(conn: Connection) -> None:
             return
         if job is None:
             return
+        if job == "unmap":
+            maps.clear()  # unmapped: no tensor of a finished job is left
+            conn.send("unmapped")
+            continue
         for a in job.new_arenas:
             fd = recv_handle(conn)
             try:
@@ -264,6 +298,8 @@ def _serve(conn: Connection) -> None:
         for a in set(maps) - set(job.arenas):
             del maps[a]  # unmapped once the last save's tensors are gone
         _write_job(conn, job, maps)
+        for a in job.scratch:
+            del maps[a]
 
 
 def _write_job(conn: Connection, job: Job, maps: dict[str, mmap.mmap]) -> None:
@@ -283,6 +319,7 @@ def _write_job(conn: Connection, job: Job, maps: dict[str, mmap.mmap]) -> None:
             except BaseException as e:
                 error = error or e
     conn.send(("done", None) if error is None else ("error", _portable(error, folder)))
+    error = None  # its traceback holds this frame, and so the last tensors: unmap them now
 
 
 def _items(refs: list[TensorRef | bytes], maps: dict[str, mmap.mmap]) -> Iterator[ItemData]:

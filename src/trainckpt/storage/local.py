@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import resource
 import shutil
 import uuid
 from collections.abc import Iterable, Iterator
@@ -35,8 +36,6 @@ _WRITE_ADVICE = {
     "or save to another folder",
     errno.EPERM: "operation not permitted: give this user write access to the folder, "
     "or save to another folder",
-    errno.EFBIG: "the file is too large for this filesystem or process limit (ulimit -f): "
-    "raise the limit, or save to another folder",
 }
 
 
@@ -52,6 +51,13 @@ def write_failure(path: str | Path, e: OSError, verb: str = "write") -> StorageE
     advice = _WRITE_ADVICE.get(e.errno or 0) or (
         f"{e.strerror or e}: check the disk and its permissions, or save to another folder"
     )
+    if e.errno == errno.EFBIG:
+        soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+        limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
+        advice = (
+            "the file is too large for this filesystem or for the process's file-size limit "
+            f"(RLIMIT_FSIZE, ulimit -f: {limit}): raise the limit, or save to another folder"
+        )
     return StorageError(f"cannot {verb} '{path}': {advice}")
 
 

@@ -1,0 +1,222 @@
+"""The GPU path of staging, run on CPU: a recording fake stands in for every CUDA call
+(`support.fake_cuda`), so the order and the device of the calls are checked without a GPU. Its
+non-blocking copies happen only when their stream is synchronized: a stager that reads its
+buffers (or lets them be written) before that reads nothing."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from support.fake_cuda import Call, FakeStream, RecordingCuda
+from support.models import assert_same_state, fresh_module, make_module
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from trainckpt import Checkpointer, ConfigurationError, ModelAndOptim
+from trainckpt.core.shared_memory import ALIGN, locate
+from trainckpt.core.staging import Stager
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    """A default process group of one rank (a DeviceMesh asks for its rank), gone afterwards."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _claim_module(fake: RecordingCuda, module: ModelAndOptim, device: int) -> None:
+    """The model's and optimizer's tensors live on GPU `device` (AdamW's step counts stay on
+    the CPU, as they do on a GPU)."""
+    for t in module.model.state_dict().values():
+        fake.claim(t, device)
+    assert module.optim is not None
+    for state in module.optim.state_dict()["state"].values():
+        for key, t in state.items():
+            if key != "step":
+                fake.claim(t, device)
+
+
+def _dtensor(local: torch.Tensor, mesh: DeviceMesh, placement: object) -> DTensor:
+    """A DTensor of this rank's `local` shard, as FSDP2 holds it, on `mesh` (built directly:
+    `from_local` would move `local` to the mesh's device)."""
+    shape = torch.Size([local.shape[0] * 2, *local.shape[1:]])
+    meta = TensorMeta(shape, torch.empty(shape, device="meta").stride(), local.dtype)
+    return DTensor(local, DTensorSpec(mesh, (placement,), meta), requires_grad=False)
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_a_staged_dtensor_is_the_stagers_cpu_buffer_on_the_same_mesh() -> None:
+    """FSDP2 state on a CUDA mesh: the staged DTensor's local tensor is the stager's own CPU
+    buffer (no copy back to the mesh's device, which `DTensor.from_local` would make), in the
+    shared memory a writer process reads (no scratch copy per save)."""
+    fake = RecordingCuda(current_device=1)
+    mesh = DeviceMesh("cuda", [0], _init_backend=False)  # claims CUDA; this machine has none
+    local = torch.randn(3, 5)
+    fake.claim(local, 1)
+    stager = Stager(cuda=fake)
+    staged = stager.stage({"w": _dtensor(local, mesh, Shard(0))}, shared=True)["w"]
+    assert isinstance(staged, DTensor)
+    assert staged.device_mesh is mesh and staged.placements == (Shard(0),)
+    assert staged.shape == (6, 5)
+    staged_local = staged.to_local()
+    assert staged_local.device.type == "cpu"
+    assert staged_local.data_ptr() == stager._buffers[".w"].data_ptr()
+    found = locate(staged_local)
+    assert found is not None and found[0] in stager._arenas
+    assert any(a <= staged_local.data_ptr() < a + n for a, n in fake.pinned.items())
+    assert torch.equal(staged_local, local)
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_partial_placements_are_refused() -> None:
+    mesh = DeviceMesh("cpu", [0], _init_backend=False)
+    state = {"model": {"grad_sum": _dtensor(torch.ones(2, 2), mesh, Partial())}}
+    with pytest.raises(ConfigurationError, match=r"'model\.grad_sum'.*Partial.*reduce it first"):
+        Stager().stage(state)
+
+
+def test_overlapped_staging_orders_every_cuda_call_after_the_trainers_mark(
+    ckpt: Checkpointer, tmp_path: Path
+) -> None:
+    """save_async(overlap_staging=True) on GPU 1: the mark on the trainer's stream during the
+    call; then, on the save thread with device 1 current (never 0), page-locked arena, a side
+    stream waiting on the mark, non-blocking copies on it, its synchronize, and only then the
+    end of wait_for_staging and the write (the checkpoint holds the state as of the call)."""
+    fake = RecordingCuda(current_device=1)
+    ckpt._stager.cuda = fake
+    module = make_module(width=16)
+    _claim_module(fake, module, 1)
+    expected = copy.deepcopy(module)
+    trainer = threading.get_ident()
+
+    future = ckpt.save_async(tmp_path / "step1", module, {"step": 1}, overlap_staging=True)
+    ckpt.wait_for_staging()
+    seen = list(fake.calls)
+    with torch.no_grad():
+        for p in module.model.parameters():
+            p.mul_(-2.0)  # the next optimizer step: after wait_for_staging
+    path = future.result()
+
+    mark = seen[0]
+    assert (mark.name, mark.device, mark.thread, mark.args[0]) == ("mark", 1, trainer, 1)
+    assert all(c.thread != trainer for c in seen[1:])  # the rest: on the save thread
+    assert (seen[1].name, seen[1].args) == ("on_device", (1,))  # first, from device 0
+    assert {c.args[0] for c in seen if c.name == "on_device"} == {1}
+    assert all(c.device == 1 for c in seen[2:]), [c for c in seen[2:] if c.device != 1]
+    names = [c.name for c in seen]
+    first_copy, last_copy = names.index("copy"), len(names) - 1 - names[::-1].index("copy")
+    assert names.index("host_register") < names.index("wait") < first_copy
+    assert names[last_copy + 1 :] == ["synchronize"]  # wait_for_staging ended after it
+    (new_stream,) = fake.named("new_stream")
+    side: FakeStream = new_stream.args[1]
+    assert side.device == 1 and side is not fake.trainer_stream(1)
+    (wait,) = fake.named("wait")
+    assert wait.args == (side, mark.args[1])
+    copies = [c for c in seen if c.name == "copy"]
+    assert len(copies) == len([t for t in module.model.state_dict().values()]) + 2 * len(
+        list(module.model.parameters())
+    )
+    assert all(c.args == (side, 1, True) for c in copies)  # on the side stream, into pinned
+    assert seen[-1].args == (side,)
+
+    loaded = fresh_module(width=16)
+    assert ckpt.load(path, loaded) == {"step": 1}
+    assert_same_state(expected, loaded)
+    assert len(fake.named("host_register")) == 1  # one flat buffer for all of it
+
+
+def test_state_on_two_gpus_waits_on_both_marks() -> None:
+    """State on GPUs 0 and 1 of a rank whose device is 1: a mark on each device's trainer
+    stream, each device's copies on its own side stream after its own mark."""
+    fake = RecordingCuda(current_device=1)
+    state = {"a": torch.randn(4), "b": torch.randn(3), "cpu": torch.randn(2)}
+    fake.claim(state["a"], 0)
+    fake.claim(state["b"], 1)
+    staged = Stager(cuda=fake).stage(state)
+    marks = {c.args[0]: c.args[1] for c in fake.named("mark")}
+    assert set(marks) == {0, 1}
+    waits = {c.args[0].device: c.args for c in fake.named("wait")}
+    for device in (0, 1):
+        stream, event = waits[device]
+        assert event is marks[device] and event.stream is fake.trainer_stream(device)
+    assert {c.args[1]: c.args[0].device for c in fake.named("copy")} == {0: 0, 1: 1}
+    assert {c.args[0].device for c in fake.named("synchronize")} == {0, 1}
+    for call in fake.calls:  # device 1 current, but for the copies from device 0
+        assert call.device == (call.args[0].device if call.name == "copy" else 1), call
+    for key, value in state.items():
+        assert torch.equal(staged[key], value), key
+
+
+def test_a_refused_registration_is_cleared_warned_once_and_not_retried(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fake = RecordingCuda(refuse_pinning=True)
+    state = {"w": torch.randn(50), "b": torch.randn(7)}
+    for t in state.values():
+        fake.claim(t, 0)
+    stager = Stager(cuda=fake)
+    with caplog.at_level(logging.WARNING, logger="trainckpt"):
+        for _ in range(3):
+            staged = stager.stage(state)
+            assert all(torch.equal(staged[k], v) for k, v in state.items())
+    names = [c.name for c in fake.calls]
+    assert names.count("host_register") == 1
+    assert names[names.index("host_register") + 1] == "get_last_error"
+    assert fake.last_error == {}  # nothing left for the next kernel launch check
+    warnings = [r for r in caplog.records if "cudaHostRegister" in r.getMessage()]
+    assert len(warnings) == 1 and "unpinned" in warnings[0].getMessage()
+    assert all(c.args[2] is False for c in fake.named("copy"))  # copies into unpinned memory
+
+    state["w"] = torch.randn(60)  # a new shape: new buffers, still no new registration
+    fake.claim(state["w"], 0)
+    stager.stage(state)
+    assert [c.name for c in fake.calls].count("host_register") == 1
+
+
+def test_staging_memory_is_one_flat_buffer_of_the_states_size() -> None:
+    """Tensors of odd sizes: one registration, of their bytes with each start aligned to 64
+    (not rounded up to a power of two per tensor), holding every staged tensor."""
+    fake = RecordingCuda()
+    state = {
+        "a": torch.randn(1000),
+        "b": torch.randn(333),
+        "c": torch.randn(77).to(torch.bfloat16),
+        "d": torch.arange(5),
+    }
+    for t in state.values():
+        fake.claim(t, 0)
+    stager = Stager(cuda=fake)
+    staged = stager.stage(state)
+    sizes = [t.numel() * t.element_size() for t in state.values()]
+    expected = sum(-(-n // ALIGN) * ALIGN for n in sizes[:-1]) + sizes[-1]
+    assert expected == 4032 + 1344 + 192 + 40
+    (register,) = fake.named("host_register")
+    address, size = register.args
+    assert size == expected == stager.nbytes
+    for t in staged.values():
+        assert address <= t.data_ptr() and t.data_ptr() + t.nbytes <= address + size
+        assert locate(t) is None  # private memory (threads' writer): no memory file
+
+
+def test_a_synchronous_save_waits_for_the_trainers_stream(
+    ckpt: Checkpointer, tmp_path: Path
+) -> None:
+    """save() writes GPU state on the writer threads' own streams: it first waits for the
+    trainer's current stream of the device holding the state."""
+    fake = RecordingCuda(current_device=1)
+    ckpt._stager.cuda = fake
+    module = make_module(width=16)
+    _claim_module(fake, module, 1)
+    ckpt.save(tmp_path / "step1", module, {"step": 1})
+    assert fake.calls == [Call("synchronize_current", 1, threading.get_ident(), (1,))]
