@@ -469,7 +469,7 @@ class Checkpointer:
             exclude=exclude,
         )
 
-    # -- the node-local tier (DESIGN §9, README "Local checkpoints and replication") -----------
+    # -- the node-local tier (docs/design.md §9, docs/local-tier.md) ----------------------------
     def save_local(
         self, step: int, train_module: TrainModule, train_state: dict[str, Any]
     ) -> Future[str]:

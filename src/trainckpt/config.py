@@ -50,7 +50,9 @@ class CheckpointerConfig(BaseModel):
     holds its validated settings as an instance of this class (`Checkpointer.config`).
     """
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
+    )
 
     work_dir: Path | None = None
     """Node-local scratch folder: staging of uploads to object stores and the cache of files
@@ -68,7 +70,7 @@ class CheckpointerConfig(BaseModel):
     async_writer: Literal["thread", "process"] = "thread"
     """Who writes the files of `save_async`: threads of the training process, or a separate
     writer process that reads the staged state from shared memory, so the writing never
-    competes with training for the interpreter lock (README "Performance"). The process costs
+    competes with training for the interpreter lock (docs/performance.md). The process costs
     a Python interpreter with torch (started at the first async save) and stages into shared
     memory (a `memfd`, not `/dev/shm`); its threads: `save_thread_count`, or the cores
     training leaves free."""

@@ -12,7 +12,7 @@ trainer's device that first waits for the trainer's stream as it was at `mark()`
 the state as of that point, whatever the trainer queues afterwards, and runs alongside the
 trainer's next kernels. `stage` returns once the copies are complete. (State on another GPU of
 the same rank is copied on that device's current stream, then that device is synchronized.)
-Written to this contract but run only on CPU so far: see README "Performance".
+Written to this contract but run only on CPU so far: see docs/gpu.md.
 """
 
 from __future__ import annotations

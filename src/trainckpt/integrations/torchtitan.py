@@ -43,8 +43,8 @@ AsyncModeName = Literal["disabled", "async", "async_with_pinned_mem"]
 class CheckpointManager(BaseCheckpointManager):
     """torchtitan's checkpoint manager contract, carried out by trainckpt.
 
-    What differs from torchtitan's own manager (all on purpose, see README "Using trainckpt
-    with torchtitan"): a save counts only once committed (a crash mid-save leaves no
+    What differs from torchtitan's own manager (all on purpose, see docs/torchtitan.md): a save
+    counts only once committed (a crash mid-save leaves no
     `step-N` that resumes); `load(-1)` skips a damaged newest checkpoint; `close()` commits a
     save in flight; `keep_latest_k` never deletes before the replacement is committed (so 1 is
     allowed), and never trims step 0 or the first-step checkpoint.
