@@ -14,6 +14,7 @@ from trainckpt.version import __version__
 if TYPE_CHECKING:
     from trainckpt.checkpointer import Checkpointer
     from trainckpt.config import CheckpointerConfig
+    from trainckpt.core.save_report import SaveReport
     from trainckpt.errors import (
         CheckpointError,
         CheckpointExistsError,
@@ -56,6 +57,7 @@ _ERRORS = (
 _WHERE: dict[str, tuple[str, str]] = {
     "Checkpointer": ("trainckpt.checkpointer", "Checkpointer"),
     "CheckpointerConfig": ("trainckpt.config", "CheckpointerConfig"),
+    "SaveReport": ("trainckpt.core.save_report", "SaveReport"),
     "CheckpointManifest": ("trainckpt.format.records", "CheckpointManifest"),
     "CheckpointMetadata": ("trainckpt.format.records", "CheckpointMetadata"),
     "VerifyReport": ("trainckpt.format.verify", "VerifyReport"),
@@ -108,6 +110,7 @@ __all__ = [
     "ModelAndStates",
     "ModelWeights",
     "RankFailedError",
+    "SaveReport",
     "SharedFolderError",
     "StorageError",
     "TrainModule",

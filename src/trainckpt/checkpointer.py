@@ -21,6 +21,7 @@ from trainckpt.core.futures import CallbacksFirstFuture
 from trainckpt.core.load import LoadRequest, load_checkpoint
 from trainckpt.core.local_tier import LocalTier, load_into
 from trainckpt.core.rank_write import ListedFiles, TrainingFiles
+from trainckpt.core.save_report import SavedPath, SaveReport, TimedFiles
 from trainckpt.core.staging import Stager, StreamMark
 from trainckpt.errors import (
     CheckpointError,
@@ -94,6 +95,9 @@ class Checkpointer:
         self._pending_dir = ""
         self._staging: Future[None] | None = None
         self._stager = Stager()
+        self.last_save_report: SaveReport | None = None
+        """Figures of the last committed `save`/`save_async` (`save_report.py`); also on the
+        path they return: `ckpt.save(...).report`, `ckpt.save_async(...).result().report`."""
         self._writer: WriterProcess | None = None
         if self.async_writer == "process":
             self._writer_process().start()  # its start-up overlaps the trainer's
@@ -141,9 +145,8 @@ class Checkpointer:
         start = time.perf_counter()
         req = self._request(dir, ephemeral)
         trainer_bytes, state = self._prepare(req.dir, train_module, train_state, stage=False)
-        path = save_checkpoint(req, self._training_files(req, train_module, trainer_bytes, state))
-        self._log_saved(path, start, start)
-        return path
+        files = TimedFiles(self._training_files(req, train_module, trainer_bytes, state))
+        return self._saved(files.report(save_checkpoint(req, files), start, staged=start))
 
     def save_async(
         self,
@@ -187,6 +190,7 @@ class Checkpointer:
         trainer_bytes, state = self._prepare(
             req.dir, train_module, train_state, stage=not overlap_staging
         )
+        prepared = time.perf_counter()  # the call returns now: training is unblocked
         mark = self._stager.mark() if overlap_staging else None  # the GPU state as of now
         staging: Future[None] = Future()
         if not overlap_staging:
@@ -201,11 +205,12 @@ class Checkpointer:
             staged = state
             if overlap_staging:
                 staged = self._stage_in_background(req, state, staging, mark)
-            staged_at = time.perf_counter()
-            files = self._training_files(req, train_module, trainer_bytes, staged, background=True)
+            staged_at = time.perf_counter() if overlap_staging else prepared
+            files = TimedFiles(
+                self._training_files(req, train_module, trainer_bytes, staged, background=True)
+            )
             path = save_checkpoint(req, files)
-            self._log_saved(path, start, start if overlap_staging else staged_at)
-            return path
+            return self._saved(files.report(path, start, staged_at, prepared))
 
         return self._in_background(req.dir, run, staging)
 
@@ -256,9 +261,8 @@ class Checkpointer:
         self._finish_pending()
         start = time.perf_counter()
         req = self._request(dir, ephemeral)
-        path = save_checkpoint(req, ListedFiles(write_files, req.dir, self.process_group))
-        self._log_saved(path, start, start)
-        return path
+        files = TimedFiles(ListedFiles(write_files, req.dir, self.process_group))
+        return self._saved(files.report(save_checkpoint(req, files), start, staged=start))
 
     def wait_for_staging(self) -> None:
         """Block until the state of the last `save_async(..., overlap_staging=True)` is copied
@@ -412,14 +416,24 @@ class Checkpointer:
             shard_writer=self._writer_process() if process else None,
         )
 
-    def _log_saved(self, path: str, start: float, unblocked: float) -> None:
-        end = time.perf_counter()
+    def _saved(self, saved: SavedPath) -> SavedPath:
+        """Keep and log the report of a committed save (`last_save_report`). Called on: all
+        ranks, on the thread that ran the save."""
+        r = self.last_save_report = saved.report
         log.info(
-            "committed checkpoint '%s' in %.2fs (training blocked %.2fs)",
-            path,
-            end - start,
-            unblocked - start if unblocked > start else end - start,
+            "committed checkpoint '%s' in %.2fs (training blocked %.2fs; staging %.2fs, writing "
+            "%.2fs, commit %.2fs; this rank %d files, %.1f MB, %.0f MB/s)",
+            saved,
+            r.total,
+            r.blocked,
+            r.staging,
+            r.writing,
+            r.commit,
+            r.files,
+            r.bytes / 1e6,
+            r.throughput / 1e6,
         )
+        return saved
 
     # -- loading --------------------------------------------------------------------------------
     def load(

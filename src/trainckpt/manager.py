@@ -17,7 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,9 @@ from trainckpt.retention.policy import CheckpointPolicy, SaveKind
 from trainckpt.retention.remover import Remover
 from trainckpt.storage import resolve
 from trainckpt.train_module import TrainModule
+
+if TYPE_CHECKING:
+    from trainckpt.core.save_report import SaveReport
 
 log = logging.getLogger(__name__)
 
@@ -235,6 +238,12 @@ class CheckpointManager:
     def last_saved_step(self) -> int | None:
         """Step of the newest checkpoint saved or being saved (None before the first)."""
         return self._last_saved
+
+    @property
+    def last_report(self) -> SaveReport | None:
+        """Figures of the last committed save (phases, bytes, throughput; `.metrics()` for a
+        dashboard), None before the first. Called on: any rank (its own part)."""
+        return self.checkpointer.last_save_report
 
     # -- internals ------------------------------------------------------------------------------
     def _save(
