@@ -27,8 +27,10 @@ class SlowRemoteNotice:
         self.command, self.locations, self.timeout = command, locations, timeout
         self.timer = threading.Timer(delay, self._say)
         self.timer.daemon = True
-        self.handler: logging.Handler | None = None
         self.levels: dict[str, int] = {}
+        """Levels of the loggers made talkative, to restore."""
+        self.lock = threading.Lock()  # the timer's thread may be speaking as the block ends
+        self.done = False
 
     def __enter__(self) -> SlowRemoteNotice:
         if self.locations:
@@ -42,12 +44,17 @@ class SlowRemoteNotice:
         tb: TracebackType | None,
     ) -> None:
         self.timer.cancel()
-        if self.handler is not None:
-            for name, level in self.levels.items():
-                logging.getLogger(name).removeHandler(self.handler)
-                logging.getLogger(name).setLevel(level)
+        with self.lock:
+            self.done = True
+        for name, level in self.levels.items():
+            logging.getLogger(name).setLevel(level)
 
     def _say(self) -> None:
+        with self.lock:
+            if not self.done:
+                self._start_talking()
+
+    def _start_talking(self) -> None:
         where = ", ".join(f"'{loc}'" for loc in self.locations)
         print(
             f"trainckpt {self.command}: waiting for {where} (each request is retried for up to "
@@ -55,16 +62,11 @@ class SlowRemoteNotice:
             file=sys.stderr,
             flush=True,
         )
-        self.handler = logging.StreamHandler(sys.stderr)
-        self.handler.setFormatter(logging.Formatter(f"trainckpt {self.command}: %(message)s"))
-        self.handler.setLevel(logging.DEBUG)
-        self.handler.addFilter(lambda r: r.levelno < logging.WARNING)  # warnings show already
-        for name in _WAIT_LOGGERS:
+        for name in _WAIT_LOGGERS:  # the command's log handler (stderr) then shows them
             logger = logging.getLogger(name)
-            self.levels[name] = logger.level
-            if logger.getEffectiveLevel() > logging.DEBUG and not logger.handlers:
-                logger.setLevel(logging.DEBUG if name != "trainckpt" else logging.INFO)
-                logger.addHandler(self.handler)
+            if logger.getEffectiveLevel() > logging.INFO:
+                self.levels[name] = logger.level
+                logger.setLevel(logging.DEBUG if name.startswith("google") else logging.INFO)
 
 
 def silence_stdout() -> None:
