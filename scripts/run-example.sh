@@ -7,4 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export NO_GCE_CHECK=true
+echo "run-example: training the tiny example model (300 steps, under a minute on 2 CPU cores," \
+  "after a few seconds of imports); checkpoints are listed at the end" >&2
 .venv/bin/python scripts/train.py configs/train-tiny.yaml "$@"

@@ -21,6 +21,7 @@ from trainckpt.core.futures import CallbacksFirstFuture
 from trainckpt.core.load import LoadRequest, load_checkpoint
 from trainckpt.core.local_tier import LocalTier, load_into
 from trainckpt.core.rank_write import ListedFiles, TrainingFiles
+from trainckpt.core.save_report import SavedPath, SaveReport, TimedFiles
 from trainckpt.core.staging import Stager, StreamMark
 from trainckpt.errors import (
     CheckpointError,
@@ -104,6 +105,9 @@ class Checkpointer:
         self._pending_dir = ""
         self._staging: Future[None] | None = None
         self._stager = Stager(on_release=self._unmap_staging)
+        self.last_save_report: SaveReport | None = None
+        """Figures of the last committed `save`/`save_async` (`save_report.py`); also on the
+        path they return: `ckpt.save(...).report`, `ckpt.save_async(...).result().report`."""
         self._writer: WriterProcess | None = None
         if self.async_writer == "process":
             self._writer_process().start()  # its start-up overlaps the trainer's
@@ -154,9 +158,8 @@ class Checkpointer:
         req = self._request(dir, ephemeral)
         trainer_bytes, state = self._prepare(req.dir, train_module, train_state, stage=False)
         self._stager.wait_for_trainer(state)  # the writer threads read GPU state on their streams
-        path = save_checkpoint(req, self._training_files(req, train_module, trainer_bytes, state))
-        self._log_saved(path, start, start)
-        return path
+        files = TimedFiles(self._training_files(req, train_module, trainer_bytes, state))
+        return self._saved(files.report(save_checkpoint(req, files), start, staged=start))
 
     def save_async(
         self,
@@ -200,6 +203,7 @@ class Checkpointer:
         trainer_bytes, state = self._prepare(
             req.dir, train_module, train_state, stage=not overlap_staging
         )
+        prepared = time.perf_counter()  # the call returns now: training is unblocked
         mark = self._stager.mark(state) if overlap_staging else None  # GPU state as of now
         staging: Future[None] = Future()
         if not overlap_staging:
@@ -214,11 +218,12 @@ class Checkpointer:
             staged = state
             if overlap_staging:
                 staged = self._stage_in_background(req, state, staging, mark)
-            staged_at = time.perf_counter()
-            files = self._training_files(req, train_module, trainer_bytes, staged, background=True)
+            staged_at = time.perf_counter() if overlap_staging else prepared
+            files = TimedFiles(
+                self._training_files(req, train_module, trainer_bytes, staged, background=True)
+            )
             path = save_checkpoint(req, files)
-            self._log_saved(path, start, start if overlap_staging else staged_at)
-            return path
+            return self._saved(files.report(path, start, staged_at, prepared))
 
         return self._in_background(req.dir, run, staging)
 
@@ -274,9 +279,8 @@ class Checkpointer:
         self._finish_pending()
         start = time.perf_counter()
         req = self._request(dir, ephemeral)
-        path = save_checkpoint(req, ListedFiles(write_files, req.dir, self.process_group))
-        self._log_saved(path, start, start)
-        return path
+        files = TimedFiles(ListedFiles(write_files, req.dir, self.process_group))
+        return self._saved(files.report(save_checkpoint(req, files), start, staged=start))
 
     def wait_for_staging(self) -> None:
         """Block until the state of the last `save_async(..., overlap_staging=True)` is copied
@@ -442,14 +446,24 @@ class Checkpointer:
             shard_writer=self._writer_process() if process else None,
         )
 
-    def _log_saved(self, path: str, start: float, unblocked: float) -> None:
-        end = time.perf_counter()
+    def _saved(self, saved: SavedPath) -> SavedPath:
+        """Keep and log the report of a committed save (`last_save_report`). Called on: all
+        ranks, on the thread that ran the save."""
+        r = self.last_save_report = saved.report
         log.info(
-            "committed checkpoint '%s' in %.2fs (training blocked %.2fs)",
-            path,
-            end - start,
-            unblocked - start if unblocked > start else end - start,
+            "committed checkpoint '%s' in %.2fs (training blocked %.2fs; staging %.2fs, writing "
+            "%.2fs, commit %.2fs; this rank %d files, %.1f MB, %.0f MB/s)",
+            saved,
+            r.total,
+            r.blocked,
+            r.staging,
+            r.writing,
+            r.commit,
+            r.files,
+            r.bytes / 1e6,
+            r.throughput / 1e6,
         )
+        return saved
 
     # -- loading --------------------------------------------------------------------------------
     def load(
@@ -506,7 +520,7 @@ class Checkpointer:
     def _abandon_after_rollback(self, storage: Storage, dir: str) -> None:
         """Before the first save after a load: when the save goes into the folder the loaded
         checkpoint came from, the run resumed there, and that folder's checkpoints newer than
-        the loaded one are abandoned (DESIGN §11, `folder.abandon_newer`), so no finder
+        the loaded one are abandoned (docs/design.md §11, `folder.abandon_newer`), so no finder
         reports them again and this run's saves of those steps replace them. (OLMo-core's
         Trainer loads and saves through this class; `CheckpointManager` abandons them already
         at resume.) Called on: all ranks."""
@@ -522,7 +536,7 @@ class Checkpointer:
             self.process_group,
         )
 
-    # -- the node-local tier (DESIGN §9, README "Local checkpoints and replication") -----------
+    # -- the node-local tier (docs/design.md §9, docs/local-tier.md) ----------------------------
     def save_local(
         self, step: int, train_module: TrainModule, train_state: dict[str, Any]
     ) -> Future[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import tempfile
@@ -26,6 +27,23 @@ def default_work_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"trainckpt-{os.getuid() if hasattr(os, 'getuid') else 0}"
 
 
+def _config_error(error: ValidationError, where: str) -> ConfigurationError:
+    """pydantic's complaint as a `ConfigurationError` naming each field; a misspelt field gets
+    the closest real one ("did you mean 'work_dir'?")."""
+    fields = list(CheckpointerConfig.model_fields)
+    hints = [
+        f"'{close[0]}' for '{err['loc'][0]}'"
+        for err in error.errors()
+        if err["type"] == "extra_forbidden" and err["loc"]
+        for close in [difflib.get_close_matches(str(err["loc"][0]), fields, n=1)]
+        if close
+    ]
+    message = str(settings_error(error, where, "checkpointer settings"))
+    if hints:
+        message += f" (did you mean {', '.join(hints)}?)"
+    return ConfigurationError(message)
+
+
 class CheckpointerConfig(BaseModel):
     """Settings of a `Checkpointer`. Unknown keys are refused, so a typo cannot pass silently.
 
@@ -33,7 +51,9 @@ class CheckpointerConfig(BaseModel):
     holds its validated settings as an instance of this class (`Checkpointer.config`).
     """
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
+    )
 
     work_dir: Path | None = None
     """Node-local scratch folder: staging of uploads to object stores and the cache of files
@@ -51,7 +71,7 @@ class CheckpointerConfig(BaseModel):
     async_writer: Literal["thread", "process"] = "thread"
     """Who writes the files of `save_async`: threads of the training process, or a separate
     writer process that reads the staged state from shared memory, so the writing never
-    competes with training for the interpreter lock (README "Performance"). The process costs
+    competes with training for the interpreter lock (docs/performance.md). The process costs
     a Python interpreter with torch (started at the first async save) and stages into shared
     memory (a `memfd`, not `/dev/shm`); its threads: `save_thread_count`, or the cores
     training leaves free."""
@@ -97,6 +117,38 @@ class CheckpointerConfig(BaseModel):
     own) without `close()` waits for its in-flight async save to commit; a save that does not
     commit in time is logged as an ERROR naming it. 0 does not wait."""
 
+    # -- every way in raises `ConfigurationError` naming the field, never pydantic's own error --
+    def __init__(self, **settings: Any) -> None:
+        """`CheckpointerConfig(work_dir=..., ...)`; an unknown or invalid field raises
+        `ConfigurationError` naming it."""
+        try:
+            super().__init__(**settings)
+        except ValidationError as e:
+            raise _config_error(e, type(self).__name__) from e
+
+    # pydantic runs a custom __init__ inside model_validate and would wrap our error in its own;
+    # this one only translates errors, so validation may skip it (as it skips BaseModel's)
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as e:
+            raise _config_error(e, type(self).__name__) from e
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> CheckpointerConfig:  # type: ignore[override]
+        """pydantic's `model_validate`, raising `ConfigurationError` naming each bad field."""
+        return cls.validated(obj, cls.__name__, **kwargs)
+
+    @classmethod
+    def model_validate_json(cls, json_data: Any, **kwargs: Any) -> CheckpointerConfig:  # type: ignore[override]
+        """pydantic's `model_validate_json`, raising `ConfigurationError` naming each bad field."""
+        try:
+            return super().model_validate_json(json_data, **kwargs)
+        except ValidationError as e:
+            raise _config_error(e, cls.__name__) from e
+
     @classmethod
     def from_file(cls, path: str | Path) -> CheckpointerConfig:
         """Read a YAML or JSON file (a top-level `checkpointer:` key is accepted too)."""
@@ -118,13 +170,14 @@ class CheckpointerConfig(BaseModel):
 
     @classmethod
     def validated(
-        cls, raw: dict[str, Any], where: str = "CheckpointerConfig"
+        cls, raw: Any, where: str = "CheckpointerConfig", **kwargs: Any
     ) -> CheckpointerConfig:
-        """Validate `raw`, turning pydantic's errors into one message that names each field."""
+        """Validate `raw`, turning pydantic's errors into one message that names each field
+        (`where`: the file or caller the settings came from)."""
         try:
-            return cls.model_validate(raw)
+            return super().model_validate(raw, **kwargs)
         except ValidationError as e:
-            raise settings_error(e, where, "checkpointer settings") from e
+            raise _config_error(e, where) from e
 
     def updated(self, where: str = "CheckpointerConfig", **changes: Any) -> CheckpointerConfig:
         """A copy with `changes` applied and validated (`where` names the caller in errors)."""

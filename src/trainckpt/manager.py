@@ -2,7 +2,7 @@
 what to save, saves (sync or async, at most one async save in flight), and once a save is
 committed has old checkpoints deleted on a background thread.
 
-Rollback rule (DESIGN §11): the committed steps of a save folder are one trajectory; once a
+Rollback rule (docs/design.md §11): the committed steps of a save folder are one trajectory; once a
 run starts from an older step, the newer checkpoints are abandoned and the run's own saves of
 those steps replace them.
 
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,6 +34,9 @@ from trainckpt.retention.policy import CheckpointPolicy, SaveKind
 from trainckpt.retention.remover import Remover
 from trainckpt.storage import resolve
 from trainckpt.train_module import TrainModule
+
+if TYPE_CHECKING:
+    from trainckpt.core.save_report import SaveReport
 
 log = logging.getLogger(__name__)
 
@@ -145,8 +148,8 @@ class CheckpointManager:
 
     def start_from(self, step: int | None) -> list[int]:
         """Settle where this run's trajectory starts: it resumed from `step` (None: from
-        scratch). Committed checkpoints of newer steps are abandoned (DESIGN §11, logged as a
-        WARNING naming them): no finder reports them again, and each is replaced, crash-safe,
+        scratch). Committed checkpoints of newer steps are abandoned (docs/design.md §11, logged
+        as a WARNING naming them): no finder reports them again, and each is replaced, crash-safe,
         when the run saves that step. Returns the abandoned steps.
 
         `resume` calls it; call it yourself, before the first save, when you load a checkpoint
@@ -272,6 +275,12 @@ class CheckpointManager:
     def last_saved_step(self) -> int | None:
         """Step of the newest checkpoint saved or being saved (None before the first)."""
         return self._last_saved
+
+    @property
+    def last_report(self) -> SaveReport | None:
+        """Figures of the last committed save (phases, bytes, throughput; `.metrics()` for a
+        dashboard), None before the first. Called on: any rank (its own part)."""
+        return self.checkpointer.last_save_report
 
     # -- internals ------------------------------------------------------------------------------
     def _save(

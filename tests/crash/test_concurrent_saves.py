@@ -1,5 +1,5 @@
 """Saves of one step racing each other, and saves racing `trainckpt prune` and another job's
-retention in the same local folder (issue 13, items 3 and 4; DESIGN §8).
+retention in the same local folder (issue 13, items 3 and 4; docs/design.md §8).
 
 Racers are real processes forked from crash_worker's forkserver. The promise, checked in every
 trial: at most one save is told it committed; what it committed passes a deep verify and loads

@@ -1,5 +1,5 @@
 """SIGKILL a rolled-back run while its save replaces a checkpoint of the abandoned trajectory
-(DESIGN §11): at every point the old folder or the new checkpoint of that step exists whole,
+(docs/design.md §11): at every point the old folder or the new checkpoint of that step exists whole,
 no finder reports the abandoned one, and a restarted run finishes the replacement."""
 
 from __future__ import annotations

@@ -171,7 +171,7 @@ def test_a_step_whose_surviving_markers_cover_every_part_counts_though_its_save_
     """Ranks die between the phases of step 3: phase 1 was agreed (every part and replica
     durable and CRC-checked), the survivors write their markers and their save fails (a peer
     is gone). The surviving markers cover every part, so step 3 counts and is restored
-    (README: what survives what). Markers that do not cover every part never count:
+    (docs/local-tier.md: what survives what). Markers that do not cover every part never count:
     `test_two_crashed_attempts_at_one_step_are_never_combined`."""
     _kill_then_restart(Job(tmp_path), "local-between-phases", killed, 3, "async", kept)
 

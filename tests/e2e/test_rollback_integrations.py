@@ -1,6 +1,7 @@
-"""Rolling back (DESIGN §11) through the integrations: torchtitan's `load_step` with trainckpt's
-torchtitan manager, and OLMo-core's real Trainer loading an older step of its save folder. The
-newer checkpoints are never resumed from again, and the new trajectory's saves are written."""
+"""Rolling back (docs/design.md §11) through the integrations: torchtitan's `load_step` with
+trainckpt's torchtitan manager, and OLMo-core's real Trainer loading an older step of its save
+folder. The newer checkpoints are never resumed from again, and the new trajectory's saves are
+written."""
 
 from __future__ import annotations
 

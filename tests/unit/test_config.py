@@ -65,3 +65,46 @@ def test_build_overrides_are_validated(tmp_path):
     ckpt.close()
     with pytest.raises(ConfigurationError, match="collective_timeout"):
         cfg.build(collective_timeout=0)
+
+
+def test_every_way_in_raises_configuration_error_naming_the_field(tmp_path):
+    """The constructor, `model_validate`, `model_validate_json`, `from_file` and assignment
+    all raise the library's `ConfigurationError` (also a `ValueError`), never pydantic's
+    `ValidationError`; a misspelt field gets the real one suggested."""
+    from pydantic import ValidationError
+
+    bad_file = tmp_path / "c.yaml"
+    bad_file.write_text("work_dirr: /tmp/x\n")
+    attempts = {
+        "constructor": lambda: CheckpointerConfig(work_dirr="/tmp/x"),
+        "model_validate": lambda: CheckpointerConfig.model_validate({"work_dirr": "/tmp/x"}),
+        "model_validate_json": lambda: CheckpointerConfig.model_validate_json(
+            '{"work_dirr": "/tmp/x"}'
+        ),
+        "from_file": lambda: CheckpointerConfig.from_file(bad_file),
+        "Checkpointer": lambda: Checkpointer(work_dirr="/tmp/x"),
+    }
+    for how, attempt in attempts.items():
+        with pytest.raises(ConfigurationError) as info:
+            attempt()
+        assert not isinstance(info.value, ValidationError), how
+        assert isinstance(info.value, ValueError), how
+        assert "work_dirr" in str(info.value) and "did you mean 'work_dir'" in str(info.value)
+    config = CheckpointerConfig()
+    with pytest.raises(ConfigurationError, match="fs_timeout"):
+        config.fs_timeout = -1
+    assert CheckpointerConfig.model_validate({"fs_timeout": 5}).fs_timeout == 5
+
+
+def test_shipped_example_config_shows_every_field_at_its_default():
+    """configs/checkpointer.yaml lists every field of the class, in declaration order, each at
+    its default except `work_dir` (a concrete path to show the form)."""
+    import yaml
+
+    raw = yaml.safe_load(open("configs/checkpointer.yaml").read())
+    assert list(raw) == list(CheckpointerConfig.model_fields)
+    defaults = CheckpointerConfig().model_dump(mode="json")
+    shown = CheckpointerConfig.from_file("configs/checkpointer.yaml").model_dump(mode="json")
+    assert {k: v for k, v in shown.items() if k != "work_dir"} == {
+        k: v for k, v in defaults.items() if k != "work_dir"
+    }

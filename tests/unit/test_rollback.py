@@ -1,4 +1,4 @@
-"""Rolling a run back (DESIGN §11): a run that starts from an older step than the newest
+"""Rolling a run back (docs/design.md §11): a run that starts from an older step than the newest
 abandons the newer checkpoints; no finder reports them again, and the run's own saves of those
 steps are written, replacing them. With `CheckpointManager` directly, on a local folder and on
 an object store."""

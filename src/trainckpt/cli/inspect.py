@@ -15,7 +15,8 @@ from typing import Any, Literal
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from trainckpt.errors import CheckpointError, CheckpointNotFoundError
+from trainckpt.cli.checks import require_one_checkpoint
+from trainckpt.errors import CheckpointNotFoundError
 from trainckpt.format import folder, layout
 from trainckpt.format.dcp_metadata import read_dcp_metadata
 from trainckpt.format.records import CheckpointManifest, CheckpointMetadata, read_manifest
@@ -146,38 +147,6 @@ def checkpoint_dcp_folder(storage: Storage, path: str, command: str = "inspect {
     except CheckpointNotFoundError:
         require_one_checkpoint(storage, path, command)
         raise
-
-
-def require_one_checkpoint(storage: Storage, path: str, command: str) -> None:
-    """Refuse, as a usage mistake (`CheckpointNotFoundError`), a `path` that is a file, does
-    not exist, is empty or is a folder of checkpoints rather than one; the message names the
-    `trainckpt` command to use instead (`command`, with `{}` where the checkpoint goes). A
-    checkpoint, a bare DCP folder or an uncommitted step folder (whose problems the caller
-    reports) passes."""
-    if folder.is_checkpoint(storage, path):
-        return
-    if storage.exists(path):
-        raise CheckpointNotFoundError(
-            f"'{path}' is a file, not a checkpoint folder: pass the step folder of a "
-            "checkpoint (`trainckpt ls FOLDER` lists those of a save folder)"
-        )
-    try:
-        listing = storage.list_dir(path)
-    except FileNotFoundError:
-        listing = None
-    if listing is None or (not listing.dirs and not listing.files):
-        raise CheckpointNotFoundError(
-            f"'{path}' does not exist (or is empty): check the path; "
-            "`trainckpt ls FOLDER` lists the checkpoints of a save folder"
-        )
-    try:
-        latest = folder.latest_checkpoint(storage, path)
-    except CheckpointError:
-        return
-    raise CheckpointNotFoundError(
-        f"'{path}' holds checkpoints but is not one; pass one of them, e.g. the newest: "
-        f"`trainckpt {command.format(latest)}` (`trainckpt ls {path}` lists them all)"
-    )
 
 
 def _trainer_state_files(storage: Storage, path: str) -> list[str]:

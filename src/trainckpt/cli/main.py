@@ -24,19 +24,22 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from trainckpt.cli.inspect import describe_checkpoint, require_one_checkpoint
-from trainckpt.cli.output import age_seconds, human_age, human_size, progress_bar, table
-from trainckpt.errors import CheckpointError, CheckpointNotFoundError
-from trainckpt.format import folder
-from trainckpt.format.folder import FolderEntry, checkpoint_size, scan_folder
-from trainckpt.format.verify import verify_checkpoint
-from trainckpt.retention.prune import apply_prune, plan_prune
-from trainckpt.storage import default_options, resolve
-from trainckpt.storage.base import DEFAULT_OPTIONS
+# Only what parsing the command line needs is imported here: `trainckpt --help` and
+# `--version` answer without torch, and each subcommand imports what it uses when it runs.
+from trainckpt.cli.status import SlowRemoteNotice, silence_stdout
+from trainckpt.errors import CheckpointError, CheckpointNotFoundError, ConfigurationError
+from trainckpt.storage.urls import check_location, is_remote
 from trainckpt.version import __version__
 
+if TYPE_CHECKING:
+    from trainckpt.format.folder import FolderEntry
+
 EXIT_OK, EXIT_PROBLEMS, EXIT_UNUSABLE = 0, 1, 2
+EXIT_PIPE_CLOSED = 141
+"""The reader of stdout went away (`trainckpt ls X | head`): 128 + SIGPIPE, as a shell reports a
+command the closed pipe killed; nothing is printed."""
 DEFAULT_TIMEOUT = 60.0
 """Seconds a storage request is retried by default: a person waits at a terminal (a training
 job's `retry_deadline` defaults to 300)."""
@@ -46,6 +49,11 @@ job's `retry_deadline` defaults to 300)."""
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    from trainckpt.cli.output import table
+    from trainckpt.format import folder
+    from trainckpt.format.folder import scan_folder
+    from trainckpt.storage import resolve
+
     storage, path = resolve(args.folder)
     entries = scan_folder(storage, path)
     if not entries and folder.is_checkpoint(storage, path):
@@ -66,6 +74,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _ls_row(e: FolderEntry) -> list[str]:
+    from trainckpt.cli.output import age_seconds, human_age, human_size
+
     kind = "-" if e.ephemeral is None else "ephemeral" if e.ephemeral else "permanent"
     world = str(e.world_size) if e.world_size is not None else "-"
     return [
@@ -82,6 +92,9 @@ def _ls_row(e: FolderEntry) -> list[str]:
 
 
 def cmd_latest(args: argparse.Namespace) -> int:
+    from trainckpt.format import folder
+    from trainckpt.storage import resolve
+
     storage, path = resolve(args.folder)
     # a missing folder is unusable (exit 2), not "none found"
     if not folder.step_folders(storage, path):
@@ -99,6 +112,9 @@ def cmd_latest(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from trainckpt.cli.inspect import describe_checkpoint
+    from trainckpt.cli.output import age_seconds, human_age, human_size, table
+
     report = describe_checkpoint(args.ckpt)
     if args.json:
         print(json.dumps(report.to_json(), indent=1))
@@ -141,6 +157,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from trainckpt.cli.checks import require_one_checkpoint
+    from trainckpt.cli.output import progress_bar
+    from trainckpt.format.folder import checkpoint_size
+    from trainckpt.format.verify import verify_checkpoint
+    from trainckpt.storage import resolve
+
     storage, path = resolve(args.ckpt)
     require_one_checkpoint(storage, path, "verify {}")
     with progress_bar("verifying", args.progress) as progress:
@@ -152,6 +174,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
+    from trainckpt.cli.output import human_size
+    from trainckpt.format.folder import scan_folder
+    from trainckpt.retention.prune import apply_prune, plan_prune
+    from trainckpt.storage import resolve
+
     storage, path = resolve(args.folder)
     entries = scan_folder(storage, path)
     plan = plan_prune(path, entries, keep_last=args.keep_last, keep_ephemeral=args.keep_ephemeral)
@@ -181,6 +208,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from trainckpt.cli.export import DTYPES, export_checkpoint, format_for
+    from trainckpt.cli.output import human_size, progress_bar
 
     fmt = format_for(args.out, args.format)
     with progress_bar("loading", args.progress) as progress:
@@ -204,6 +232,16 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 # -- argument parsing and error handling ---------------------------------------------------------
+
+WHERE_HELP = """\
+FOLDER, CKPT and OUT are local paths or URLs:
+  path, file:///path       a local or shared (NFS) filesystem
+  gs://bucket/prefix       Google Cloud Storage (credentials: GOOGLE_APPLICATION_CREDENTIALS)
+  s3://bucket/prefix       S3 and S3-compatible stores (the [s3] extra; AWS_ENDPOINT_URL_S3)
+  http(s)://host/path      read-only: inspect, verify and export one checkpoint (no listing)
+"""
+FOLDER_HELP = "save folder: a local path, file://, gs://bucket/prefix or s3://bucket/prefix"
+CKPT_HELP = "one checkpoint folder: a local path, file://, gs://, s3:// or http(s):// URL"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -242,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trainckpt",
         description="Look after trainckpt (and OLMo-core) checkpoint folders.",
+        epilog=WHERE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"trainckpt {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
@@ -261,23 +301,30 @@ def build_parser() -> argparse.ArgumentParser:
         help: str,
         parents: Sequence[argparse.ArgumentParser] = (),
     ) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help, parents=[common, *parents])
+        p = sub.add_parser(
+            name,
+            help=help,
+            description=help,
+            epilog=WHERE_HELP,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            parents=[common, *parents],
+        )
         p.set_defaults(func=func)
         return p
 
     p = add("ls", cmd_ls, "list the step folders of a save folder, committed or not")
-    p.add_argument("folder", help="save folder: local path or gs://bucket/prefix")
+    p.add_argument("folder", type=_location, help=FOLDER_HELP)
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
 
     p = add("latest", cmd_latest, "print the path of the newest committed checkpoint")
-    p.add_argument("folder", help="save folder: local path or gs://bucket/prefix")
+    p.add_argument("folder", type=_location, help=FOLDER_HELP)
 
     p = add("inspect", cmd_inspect, "show a checkpoint's records, trainer state and tensors")
-    p.add_argument("ckpt", help="one checkpoint folder (e.g. runs/demo/step1000)")
+    p.add_argument("ckpt", type=_location, help=f"{CKPT_HELP} (e.g. runs/demo/step1000)")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
 
     p = add("verify", cmd_verify, "check a checkpoint's files against its manifest", [bar])
-    p.add_argument("ckpt", help="one checkpoint folder")
+    p.add_argument("ckpt", type=_location, help=CKPT_HELP)
     p.add_argument("--deep", action="store_true", help="recompute every CRC32C (reads all bytes)")
 
     p = add(
@@ -286,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
         "delete all but the newest N permanent checkpoints, and crash leftovers "
         "(the folders of saves still running are kept)",
     )
-    p.add_argument("folder", help="save folder: local path or gs://bucket/prefix")
+    p.add_argument("folder", type=_location, help=FOLDER_HELP)
     p.add_argument(
         "-k",
         "--keep-last",
@@ -301,8 +348,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = add(
         "export", cmd_export, "consolidate a checkpoint into one safetensors or torch file", [bar]
     )
-    p.add_argument("ckpt", help="one checkpoint folder")
-    p.add_argument("out", help="output file: local path or gs:// URL")
+    p.add_argument("ckpt", type=_location, help=CKPT_HELP)
+    p.add_argument(
+        "out",
+        type=_location,
+        help="output file: a local path, file://, gs://bucket/key or s3://bucket/key",
+    )
     p.add_argument(
         "--format",
         choices=["safetensors", "torch"],
@@ -338,10 +389,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = logging.DEBUG if args.debug else logging.INFO if args.verbose else logging.WARNING
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    from trainckpt.storage import default_options
+    from trainckpt.storage.base import DEFAULT_OPTIONS
+
     options = dataclasses.replace(DEFAULT_OPTIONS, retry_deadline=args.timeout)
     try:
-        with default_options(options):
-            return int(args.func(args))
+        with (
+            default_options(options),
+            SlowRemoteNotice(args.command, _locations(args), args.timeout),
+        ):
+            code = int(args.func(args))
+            sys.stdout.flush()  # a closed pipe shows here, not at the interpreter's exit
+            return code
+    except BrokenPipeError:
+        silence_stdout()
+        return EXIT_PIPE_CLOSED
     except KeyboardInterrupt:
         print(f"trainckpt {args.command}: interrupted", file=sys.stderr)
         return 130
@@ -352,6 +414,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         print(f"trainckpt {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_UNUSABLE
+
+
+def _location(text: str) -> str:
+    """An argparse type: a malformed URL is refused as "argument ckpt: '…' is not a valid URL"."""
+    try:
+        check_location(text)
+    except ConfigurationError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _locations(args: argparse.Namespace) -> list[str]:
+    """The remote locations among the command's arguments: what a slow command waits for."""
+    given = (getattr(args, name, None) for name in ("folder", "ckpt", "out"))
+    return [str(loc) for loc in given if loc is not None and is_remote(str(loc))]
 
 
 def _seconds(text: str) -> float:

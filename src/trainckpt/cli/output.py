@@ -9,8 +9,10 @@ import contextlib
 import datetime as _dt
 import sys
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from tqdm import tqdm
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 
 class ProgressBar:
@@ -23,6 +25,8 @@ class ProgressBar:
 
     def set_total(self, total: int | None) -> None:
         if self.bar is None:
+            from tqdm import tqdm  # only when a bar is shown
+
             self.bar = tqdm(
                 desc=self.desc,
                 total=total,

@@ -1,4 +1,4 @@
-"""Claims on object-store step prefixes: which save of a step may write it (DESIGN §8).
+"""Claims on object-store step prefixes: which save of a step may write it (docs/design.md §8).
 
 An object store cannot rename a folder, so two saves of one step would write the same object
 names into `<dir>/`. Before any data is written, rank 0 of a save creates `<dir>/.claim`

@@ -1,4 +1,5 @@
-"""The commit protocol (DESIGN §4): how a save becomes a checkpoint, or leaves nothing behind.
+"""The commit protocol (docs/design.md §4): how a save becomes a checkpoint, or leaves nothing
+behind.
 
 One function per kind of target, each reading top to bottom: lock or claim the step, every rank
 writes its files (`rank_write.py`: what a rank writes, and the agreements and fault points

@@ -1,6 +1,6 @@
-"""The node-local tier (DESIGN §9): each rank saves its own part to its node's disk, replicas go
-to peers on other nodes, a two-phase commit with no shared place decides what counts, and a
-coverage vote finds the newest step the live ranks can assemble.
+"""The node-local tier (docs/design.md §9): each rank saves its own part to its node's disk,
+replicas go to peers on other nodes, a two-phase commit with no shared place decides what
+counts, and a coverage vote finds the newest step the live ranks can assemble.
 
 Save (all ranks, the checkpointer's CPU group; the layout is `format/local_layout.py`):
 1. Rank 0 picks an attempt id. Each rank writes its part (module state, trainer state, then

@@ -2,7 +2,7 @@
 
 A save writing on threads of the training process competes with training for the interpreter
 lock: every step of the training loop then waits, again and again, for a writer thread to let
-go of it (README "Performance" has the measurement). This process takes that part away. The
+go of it (docs/performance.md has the measurement). This process takes that part away. The
 staged state reaches it through shared memory (`shared_memory.Arena`: the descriptor of each
 arena is sent once, the process maps it and keeps it while saves use it), so per save only a
 short job crosses the socket: which bytes go into which file.

@@ -374,7 +374,7 @@ def _describe(storage: Storage, folder: StepFolder) -> FolderEntry | None:
     )
 
 
-# -- rolling back (DESIGN §11) --------------------------------------------------------------------
+# -- rolling back (docs/design.md §11) ------------------------------------------------------
 
 
 def abandon_newer(storage: Storage, path: str, step: int) -> list[tuple[int, str]]:

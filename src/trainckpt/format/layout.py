@@ -23,9 +23,9 @@ REPLACED_SUFFIX = "-replaced"
 uncommitted, or overwritten) just before renaming its `-tmp` into place, and deletes it right
 after; a crash in between leaves it there, and the next save of that step puts it back."""
 ABANDONED_FILE = ".abandoned.json"
-"""Marks a step folder a rollback abandoned (DESIGN §11): the run resumed from an older step, so
-the commit record was removed (no finder reports the folder again) and kept in here. The next
-save of that step replaces the folder."""
+"""Marks a step folder a rollback abandoned (docs/design.md §11): the run resumed from an older
+step, so the commit record was removed (no finder reports the folder again) and kept in here.
+The next save of that step replaces the folder."""
 
 _STEP_RE = re.compile(r"^step(-?)(\d+)$")
 _RANK_FILE_RE = re.compile(rf"^{TRAIN_DIR}/rank(\d+)\.pt$")

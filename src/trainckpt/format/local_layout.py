@@ -1,5 +1,4 @@
-"""The node-local tier's on-disk layout and records (DESIGN §9; README "Local checkpoints and
-replication").
+"""The node-local tier's on-disk layout and records (docs/design.md §9; docs/local-tier.md).
 
 ```
 <local_dir>/                    the same path on every node, each node's own disk
