@@ -128,3 +128,13 @@ def test_a_server_that_ignores_range_costs_no_more_memory_than_what_is_asked(
     shard_path = f"{url[len(http_server.url) :]}/step4/model_and_optim/{shard.name}"
     gets = [p for m, p, _ in http_server.requests if m == "GET" and p == shard_path]
     assert len(gets) == 1, f"deep verify downloaded the whole shard {len(gets)} times"
+
+
+def test_adding_a_file_to_a_checkpoint_reads_its_manifest_within_the_bound(ckpt, tmp_path):
+    """`write_file` rewrites the manifest of a committed checkpoint: a manifest past its bound
+    is refused by its size, not read whole and then found not to be JSON."""
+    path = Path(ckpt.save(tmp_path / "run" / "step1", make_module(), {"step": 1}))
+    with open(path / ".manifest.json", "wb") as f:
+        f.truncate(MAX_MANIFEST_BYTES + 1)
+    with pytest.raises(CorruptCheckpointError, match=f"larger than {MAX_MANIFEST_BYTES} bytes"):
+        ckpt.write_file(path, "config.json", b"{}")

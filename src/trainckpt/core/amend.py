@@ -15,7 +15,7 @@ import logging
 from trainckpt.errors import ConfigurationError
 from trainckpt.format.folder import is_committed
 from trainckpt.format.layout import MANIFEST_FILE, METADATA_FILE, is_safe_relpath
-from trainckpt.format.records import CheckpointManifest
+from trainckpt.format.records import read_manifest
 from trainckpt.storage import Storage
 from trainckpt.storage.checksums import FileEntry, crc32c_bytes
 
@@ -41,7 +41,7 @@ def write_file(storage: Storage, folder: str, rel: str, data: bytes, *, overwrit
         return target
     manifest_at = storage.join(folder, MANIFEST_FILE)
     try:
-        manifest = CheckpointManifest.from_json(storage.read_bytes(manifest_at), manifest_at)
+        manifest = read_manifest(storage, folder)  # size-bounded, like every record read
     except FileNotFoundError:
         return target  # a checkpoint without manifest (OLMo-core's): nothing to keep complete
     entry = FileEntry(size=len(data), crc32c=crc32c_bytes(data))
