@@ -14,13 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from support.fake_cuda import Call, FakeStream, RecordingCuda
 from support.models import assert_same_state, fresh_module, make_module
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from trainckpt import Checkpointer, ConfigurationError, ModelAndOptim
+from trainckpt.core.dcp import save_state
 from trainckpt.core.shared_memory import ALIGN, locate
 from trainckpt.core.staging import Stager
 
@@ -220,3 +222,16 @@ def test_a_synchronous_save_waits_for_the_trainers_stream(
     _claim_module(fake, module, 1)
     ckpt.save(tmp_path / "step1", module, {"step": 1})
     assert fake.calls == [Call("synchronize_current", 1, threading.get_ident(), (1,))]
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_a_staged_dtensor_is_written_and_read_back_by_dcp(tmp_path: Path) -> None:
+    """DCP plans and writes a staged DTensor (its local tensor the stager's buffer) as it does
+    the original: the saved shard loads back into a DTensor of the same mesh exactly."""
+    mesh = DeviceMesh("cpu", [0])
+    original = distribute_tensor(torch.randn(6, 5), mesh, [Shard(0)])
+    staged = Stager().stage({"w": original})
+    save_state(staged, tmp_path / "dcp", group=None, thread_count=1)
+    out = {"w": distribute_tensor(torch.zeros(6, 5), mesh, [Shard(0)])}
+    dcp.load(out, checkpoint_id=str(tmp_path / "dcp"))
+    assert torch.equal(out["w"].to_local(), original.to_local())
