@@ -362,7 +362,7 @@ class CheckpointManager:
         except CheckpointError as e:
             raise CheckpointError(
                 f"the {save.kind.value} checkpoint of step {save.step} to '{save.path}' failed "
-                f"({e.__cause__ or e}); nothing was deleted: the checkpoints already in "
+                f"({e}); nothing was deleted: the checkpoints already in "
                 f"'{self.save_folder}' are kept. Fix the cause, then resume from the latest one"
             ) from e
 

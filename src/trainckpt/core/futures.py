@@ -8,8 +8,7 @@ metrics across ranks, so with a plain future a callback may still add a metric o
 not yet on another: the ranks then reduce different tensors and the job dies on a collective
 mismatch. Here a waiter resumes only once the callbacks are done.
 
-It also remembers whether its error was handed to anyone (`result()` raised it, `exception()`
-returned it), so the checkpointer's next call raises a failed save's error only if nobody has
+It also remembers whether its error was raised to anyone (`result()`), so the checkpointer's next call raises a failed save's error only if nobody has
 seen it yet (`result_once`): an error is raised once.
 """
 
@@ -61,19 +60,18 @@ class CallbacksFirstFuture(Future[T]):
                 self._wait_for_callbacks(timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        error = super().exception(timeout)
-        self._error_seen = self._error_seen or error is not None
-        self._wait_for_callbacks(timeout)
+        error = super().exception(timeout)  # a look, not a raise: the library's own observers
+        self._wait_for_callbacks(timeout)  # (logging, retention, exit hooks) call it too
         return error
 
     @property
     def error_seen(self) -> bool:
-        """True once `result()`, `exception()` or `result_once()` handed the error out."""
+        """True once `result()` or `result_once()` raised the error."""
         return self._error_seen
 
     def result_once(self) -> T | None:
-        """Wait for the outcome; return the result, or raise the error unless a `result()` or
-        `exception()` call already handed it out (then return None). Called by the
+        """Wait for the outcome; return the result, or raise the error unless a `result()` call
+        already raised it (then return None). Called by the
         checkpointer's next call after an async save (training thread)."""
         error = super().exception()  # waits; hands out nothing
         self._wait_for_callbacks(None)
