@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from trainckpt.core import dist
+from trainckpt.core.gc_pause import paused_gc
 from trainckpt.errors import CheckpointError, StorageError
 from trainckpt.format import item_record
 from trainckpt.format.layout import DCP_METADATA_FILE
@@ -74,7 +75,8 @@ def save_state(
         on_file=None if on_file is None else lambda name: on_file(f"{rel}{name}"),
         shard_writer=shard_writer,
     )
-    with _quiet_single_process(), plain_errors(f"writing DCP state into '{folder}'", StorageError):
+    where = f"writing DCP state into '{folder}'"
+    with paused_gc(), _quiet_single_process(), plain_errors(where, StorageError):
         dcp.save(
             state, storage_writer=writer, process_group=group, no_dist=not dist.is_distributed()
         )
@@ -225,7 +227,7 @@ def load_state(
     Called on: all ranks (DCP plans collectively).
     """
     what = f"loading DCP state from '{folder}'"
-    with _quiet_single_process(), plain_errors(what, CheckpointError):
+    with paused_gc(), _quiet_single_process(), plain_errors(what, CheckpointError):
         dcp.load(
             state,
             storage_reader=_SafeReader(
@@ -278,7 +280,7 @@ def load_full_state(
         _SafeLoadPlanner(folder) if progress is None else _ProgressLoadPlanner(progress, folder)
     )
     what = f"loading DCP state from '{folder}'"
-    with _quiet_single_process(), plain_errors(what, CheckpointError):
+    with paused_gc(), _quiet_single_process(), plain_errors(what, CheckpointError):
         dcp.load(
             state,
             storage_reader=_SafeReader(storage, folder, metadata),
