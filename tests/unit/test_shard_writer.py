@@ -171,3 +171,25 @@ def test_tensors_of_one_kind_are_serialized_once_and_written_as_torch_save_would
             assert torch.equal(loaded, tensor) and loaded.stride() == tensor.stride()
     finally:
         torch.serialization.set_crc32_options(True)
+
+
+def test_one_rank_skips_the_deduplication_across_ranks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With one rank there is nothing to deduplicate: DCP's `dedup_save_plans` (a hash of
+    every item's index) is not called, and plain DCP still reads every value."""
+    from torch.distributed.checkpoint import default_planner
+
+    calls: list[int] = []
+    real = default_planner.dedup_save_plans
+    monkeypatch.setattr(
+        default_planner,
+        "dedup_save_plans",
+        lambda plans, *a: (calls.append(len(plans)), real(plans, *a))[1],
+    )
+    state = {f"e{i}": torch.full((3,), float(i)) for i in range(20)} | {"n": 5}
+    save_state(state, tmp_path / "dcp", group=None, thread_count=2)
+    assert calls == []
+    out = {k: torch.zeros(3) for k in state if k != "n"} | {"n": 0}
+    dcp.load(out, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert all(torch.equal(out[k], v) for k, v in state.items() if k != "n") and out["n"] == 5
