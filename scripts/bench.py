@@ -10,10 +10,13 @@ model and optimizer are zeroed before it and must match the saved state after it
     python scripts/bench.py                      # ~1.2 GB state, 3 repeats, GCS, training
     python scripts/bench.py --size-mb 64 --repeats 1 --no-gcs --json out.json
     python scripts/bench.py --training-only --train-size-mb 600 --repeats 5
+    python scripts/bench.py --scale --json scale.json   # bookkeeping at scale only
 
 The GCS part runs against fake-gcs-server on 127.0.0.1 (`scripts/bench_gcs.py`); the last part
 trains a small model while each contender saves in the background (`scripts/bench_train.py`);
 the node-local tier part runs 2 ranks with their own local folders (`scripts/bench_local.py`).
+`--scale` runs only the bookkeeping-at-scale part instead (`scripts/bench_scale.py`): states of
+many small entries, and simulated many-rank inputs to the functions rank 0 and every rank run.
 """
 
 from __future__ import annotations
@@ -469,6 +472,20 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help=f"comma-separated subset of {','.join(TRAIN_CONTENDERS)} (training part)",
     )
+    p.add_argument("--scale", action="store_true", help="run only the bookkeeping-at-scale part")
+    p.add_argument(
+        "--scale-entries",
+        default="2000,16000,64000",
+        help="--scale: state sizes in entries (comma-separated)",
+    )
+    p.add_argument(
+        "--scale-ranks",
+        default="256,1024,4096,8192",
+        help="--scale: simulated rank counts (comma-separated)",
+    )
+    p.add_argument(
+        "--scale-tensors", type=int, default=16, help="--scale: tensors sharded over every rank"
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     # DCP says on every single-process call that it assumes a single process; it is right.
@@ -477,16 +494,32 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="trainckpt-bench-", dir=args.dir))
     report: dict[str, Any] = {"machine": machine(root), "notes": []}
     try:
-        if not args.training_only:
+        if args.scale:
+            from bench_scale import bench_scale
+
+            report["scale"] = bench_scale(
+                [int(x) for x in args.scale_entries.split(",")],
+                args.repeats,
+                [int(x) for x in args.scale_ranks.split(",")],
+                args.scale_tensors,
+                root,
+            )
+            report["notes"] += report["scale"]["entries"]["notes"]
+        elif not args.training_only:
             _bench(args, root, report)
-        if not args.no_training:
+        if not args.no_training and not args.scale:
             report["training"] = bench_training(
                 args.train_size_mb, args.repeats, root / "training", args.train_only
             )
             report["notes"] += report["training"]["notes"]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    report["targets"] = targets(report)
+    if args.scale:
+        from bench_scale import scale_targets
+
+        report["targets"] = scale_targets(report["scale"])
+    else:
+        report["targets"] = targets(report)
     print()
     for line in report["targets"]:
         print(line)

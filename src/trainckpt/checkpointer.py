@@ -18,6 +18,7 @@ from trainckpt.core import amend, dist, exit_guard
 from trainckpt.core.commit import SaveRequest, delete_checkpoint, save_checkpoint
 from trainckpt.core.direct import saves_directly
 from trainckpt.core.futures import CallbacksFirstFuture
+from trainckpt.core.gc_pause import paused_gc
 from trainckpt.core.load import LoadRequest, load_checkpoint
 from trainckpt.core.local_tier import LocalTier, load_into
 from trainckpt.core.rank_write import ListedFiles, TrainingFiles
@@ -397,7 +398,8 @@ class Checkpointer:
                 train_state, where, self.max_trainer_state_bytes
             )
             if not saves_directly(train_module):
-                state = train_module.state_dict_to_save()
+                with paused_gc():  # thousands of entries: see core/gc_pause.py
+                    state = train_module.state_dict_to_save()
             if stage:  # complete (GPU copies too) when it returns
                 state = self._stager.stage(state, shared=self.async_writer == "process")
         except Exception as e:

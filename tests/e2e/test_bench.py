@@ -62,3 +62,34 @@ def test_bench_runs_and_prints_its_table(tmp_path: Path) -> None:
         assert r["steps_during"]["min"] >= 1, name  # training went on during every save
         assert 0 < r["committed_s"]["min"] <= r["committed_s"]["max"], name
     assert list((tmp_path).iterdir()) == [out]  # the benchmark's own files are removed
+
+
+@pytest.mark.slow
+def test_bench_scale_runs_and_prints_its_tables(tmp_path: Path) -> None:
+    """`--scale` on its tiny sizes: every contender saved and loaded back (the bench checks the
+    loaded state), and each simulated function reported a time and a memory peak."""
+    out = tmp_path / "scale.json"
+    args = ["--scale", "--scale-entries", "400", "--scale-ranks", "2,4", "--scale-tensors", "2"]
+    args += ["--repeats", "1", "--dir", str(tmp_path), "--json", str(out)]
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    scale = json.loads(out.read_text())["scale"]
+    contenders = scale["entries"]["results"]
+    assert {"trainckpt save", "trainckpt save_async", "plain DCP", "OLMo-core"} <= set(contenders)
+    for label, by_size in contenders.items():
+        assert by_size["400"]["entries"] == 400, label
+        assert by_size["400"]["save_s"] > 0 and by_size["400"]["load_s"] > 0, label
+        assert label in run.stdout
+    ranks = scale["ranks"]["results"]
+    assert set(ranks) == {"2", "4"}
+    for row in ranks.values():
+        timed = {k: v for k, v in row.items() if isinstance(v, dict)}
+        assert len(timed) == 5
+        assert all(v["s"] > 0 and v["peak_mb"] > 0 for v in timed.values())
+    assert "target simulated 4 ranks: rank 0 commit work" in run.stdout
+    assert list(tmp_path.iterdir()) == [out]

@@ -22,7 +22,12 @@ import pytest
 from support.models import assert_same_state, fresh_module, make_module
 
 from trainckpt import Checkpointer, CheckpointerConfig, CheckpointPolicy, CorruptCheckpointError
-from trainckpt.format.records import MAX_DCP_METADATA_BYTES, MAX_MANIFEST_BYTES, MAX_METADATA_BYTES
+from trainckpt.format.records import (
+    DCP_METADATA_FLOOR_BYTES,
+    MAX_MANIFEST_BYTES,
+    MAX_METADATA_BYTES,
+    dcp_metadata_bound,
+)
 from trainckpt.retention.remover import Remover
 from trainckpt.storage import resolve
 
@@ -167,13 +172,14 @@ def test_records_at_their_size_bound(run: Path):
     meta.write_bytes(padded + b" " * (MAX_METADATA_BYTES + 1 - len(padded)))
     with pytest.raises(CorruptCheckpointError, match=f"{meta} is larger than {MAX_METADATA_BYTES}"):
         Checkpointer.read_metadata(run / "step3")
-    assert MAX_METADATA_BYTES < MAX_MANIFEST_BYTES < MAX_DCP_METADATA_BYTES
+    assert MAX_METADATA_BYTES < MAX_MANIFEST_BYTES < DCP_METADATA_FLOOR_BYTES
 
 
 def test_oversized_dcp_metadata_is_refused_unread(run: Path, ckpt: Checkpointer):
     dcp_md = run / "step3" / "model_and_optim" / ".metadata"
-    with open(dcp_md, "r+b") as f:  # sparse, past the bound
-        f.truncate(MAX_DCP_METADATA_BYTES + 1)
+    shards = sum(p.stat().st_size for p in dcp_md.parent.glob("*.distcp"))
+    with open(dcp_md, "r+b") as f:  # sparse, past the bound (which grows with the shards)
+        f.truncate(dcp_metadata_bound(shards) + 1)
     with pytest.raises(CorruptCheckpointError, match=str(dcp_md)):  # the manifest's size check
         ckpt.load(run / "step3", fresh_module())
     unchecked = CheckpointerConfig(work_dir=run.parent / "w2", verify_on_load="none").build()

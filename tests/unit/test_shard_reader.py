@@ -14,6 +14,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from trainckpt import CheckpointerConfig
 from trainckpt.core.dcp import save_state
+from trainckpt.format import shard_reader
 from trainckpt.format.shard_reader import ParallelReader, _load_checked, _split_runs
 
 
@@ -74,3 +75,43 @@ def test_checked_load_of_every_dtype_shape_and_scalar(tmp_path: Path) -> None:
         assert (
             torch.equal(out[key], value) if isinstance(value, torch.Tensor) else out[key] == value
         )
+
+
+def test_items_of_one_kind_have_their_pickle_read_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checked load reads an item's pickle only for the first of its kind; the others are
+    recognized by their bytes outside the storage. Kinds of the same byte length are not
+    mixed up, and items with a zip CRC32 (foreign, never alike) still load right."""
+    monkeypatch.setattr(shard_reader, "_SKELETONS", shard_reader._Skeletons())
+    pickles: list[object] = []
+    real_load = torch.load
+
+    def counting_load(*args: object, **kwargs: object) -> object:
+        pickles.append(args[0])
+        return real_load(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(shard_reader.torch, "load", counting_load)
+    kinds = [
+        lambda: torch.randn(16, 16),
+        lambda: torch.randn(16, 16).t(),  # same bytes and length, other strides
+        lambda: torch.randn(8, 32),
+        lambda: torch.randn(256),
+        lambda: torch.tensor(2.0),
+    ]
+    for crc in (False, True):
+        torch.serialization.set_crc32_options(crc)
+        try:
+            values = [make() for _ in range(6) for make in kinds]
+            items = []
+            for value in values:
+                saved = io.BytesIO()
+                torch.save(value, saved)
+                items.append(bytearray(saved.getvalue()))
+        finally:
+            torch.serialization.set_crc32_options(True)
+        pickles.clear()
+        for value, item in zip(values, items, strict=True):
+            loaded = _load_checked(memoryview(item))
+            assert loaded.shape == value.shape and loaded.stride() == value.stride()
+            assert torch.equal(loaded, value)
+        if not crc:
+            assert len(pickles) == len(kinds)  # once per kind

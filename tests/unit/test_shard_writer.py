@@ -9,6 +9,7 @@ import threading
 import zipfile
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from support.damage import split_item_record
@@ -17,6 +18,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from trainckpt import CheckpointerConfig
 from trainckpt.core.dcp import save_state
+from trainckpt.format import shard_writer
 from trainckpt.storage.checksums import crc32c_file
 
 
@@ -132,3 +134,62 @@ def test_a_torch_save_on_another_thread_keeps_its_zip_crc32(tmp_path: Path) -> N
         checked += 1
     saver.join()
     assert torch.serialization.get_crc32_options()
+
+
+def test_tensors_of_one_kind_are_serialized_once_and_written_as_torch_save_would(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Thousands of small tensors: only the first of each kind (dtype, shape, strides, storage)
+    goes through torch.save's serializer; the others are written from its head and tail, and
+    every item still has exactly torch.save's bytes (zip CRC32 off)."""
+    serialized: list[torch.Tensor] = []
+    real = shard_writer._save_item
+    monkeypatch.setattr(
+        shard_writer, "_save_item", lambda t, out: (serialized.append(t), real(t, out))
+    )
+    monkeypatch.setattr(shard_writer, "_TEMPLATES", shard_writer._ItemTemplates())
+    kinds = [
+        lambda: torch.randn(16, 16),
+        lambda: torch.randn(16, 16).t().contiguous().t(),  # other strides, same shape
+        lambda: torch.randn(8, 32),  # same byte count, other shape
+        lambda: (torch.randn(5, 3) * 9).to(torch.bfloat16),
+        lambda: torch.randn(7) > 0,
+        lambda: torch.tensor(3.0),  # an optimizer step counter
+        lambda: torch.arange(11, dtype=torch.int64),
+    ]
+    items = [make() for _ in range(5) for make in kinds]
+    done = shard_writer.write_shard(tmp_path, "s.distcp", iter(items), "id", fsync=False)
+    assert len(serialized) == len(kinds)  # once per kind, not once per tensor
+    data = (tmp_path / "s.distcp").read_bytes()
+    torch.serialization.set_crc32_options(False)
+    try:
+        for tensor, (offset, length) in zip(items, done.spans, strict=True):
+            expected = io.BytesIO()
+            torch.save(tensor, expected)
+            assert data[offset : offset + length] == expected.getvalue()
+            loaded = torch.load(io.BytesIO(data[offset : offset + length]), weights_only=True)
+            assert torch.equal(loaded, tensor) and loaded.stride() == tensor.stride()
+    finally:
+        torch.serialization.set_crc32_options(True)
+
+
+def test_one_rank_skips_the_deduplication_across_ranks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With one rank there is nothing to deduplicate: DCP's `dedup_save_plans` (a hash of
+    every item's index) is not called, and plain DCP still reads every value."""
+    from torch.distributed.checkpoint import default_planner
+
+    calls: list[int] = []
+    real = default_planner.dedup_save_plans
+    monkeypatch.setattr(
+        default_planner,
+        "dedup_save_plans",
+        lambda plans, *a: (calls.append(len(plans)), real(plans, *a))[1],
+    )
+    state = {f"e{i}": torch.full((3,), float(i)) for i in range(20)} | {"n": 5}
+    save_state(state, tmp_path / "dcp", group=None, thread_count=2)
+    assert calls == []
+    out = {k: torch.zeros(3) for k in state if k != "n"} | {"n": 0}
+    dcp.load(out, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert all(torch.equal(out[k], v) for k, v in state.items() if k != "n") and out["n"] == 5

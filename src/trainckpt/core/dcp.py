@@ -22,16 +22,18 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     LoadPlan,
     LoadPlanner,
     ReadItem,
+    SavePlan,
 )
 
 from trainckpt.core import dist
+from trainckpt.core.gc_pause import paused_gc
 from trainckpt.errors import CheckpointError, StorageError
 from trainckpt.format import item_record
 from trainckpt.format.layout import DCP_METADATA_FILE
@@ -74,14 +76,30 @@ def save_state(
         on_file=None if on_file is None else lambda name: on_file(f"{rel}{name}"),
         shard_writer=shard_writer,
     )
-    with _quiet_single_process(), plain_errors(f"writing DCP state into '{folder}'", StorageError):
+    where = f"writing DCP state into '{folder}'"
+    with paused_gc(), _quiet_single_process(), plain_errors(where, StorageError):
         dcp.save(
-            state, storage_writer=writer, process_group=group, no_dist=not dist.is_distributed()
+            state,
+            storage_writer=writer,
+            planner=_SavePlanner(),
+            process_group=group,
+            no_dist=not dist.is_distributed(),
         )
     entries = dict(writer.written)  # shards: CRC32C computed while writing
     if dist.get_rank(group) == 0:
         entries[DCP_METADATA_FILE] = crc32c_file(folder / DCP_METADATA_FILE)
     return {f"{rel}{n}": e for n, e in entries.items()}
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """DCP's save planner, minus the deduplication across ranks when there is one rank: DCP
+    hashes every item's index to find items that several ranks hold (a tenth of a one-rank save
+    of thousands of entries), and with one plan it returns that plan unchanged."""
+
+    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        if len(all_plans) == 1:
+            return all_plans
+        return super()._dedup_save_plans(all_plans)
 
 
 # -- loading -----------------------------------------------------------------------------------
@@ -225,7 +243,7 @@ def load_state(
     Called on: all ranks (DCP plans collectively).
     """
     what = f"loading DCP state from '{folder}'"
-    with _quiet_single_process(), plain_errors(what, CheckpointError):
+    with paused_gc(), _quiet_single_process(), plain_errors(what, CheckpointError):
         dcp.load(
             state,
             storage_reader=_SafeReader(
@@ -278,7 +296,7 @@ def load_full_state(
         _SafeLoadPlanner(folder) if progress is None else _ProgressLoadPlanner(progress, folder)
     )
     what = f"loading DCP state from '{folder}'"
-    with _quiet_single_process(), plain_errors(what, CheckpointError):
+    with paused_gc(), _quiet_single_process(), plain_errors(what, CheckpointError):
         dcp.load(
             state,
             storage_reader=_SafeReader(storage, folder, metadata),

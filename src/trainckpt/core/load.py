@@ -241,20 +241,22 @@ def _load_module_state(
     """Load the checkpoint's DCP folder into the module's state dict and apply it; return
     the trainer state without the `exclude`d keys. Called on: all ranks."""
     from trainckpt.core.dcp import load_state
+    from trainckpt.core.gc_pause import paused_gc
 
-    state = train_module.state_dict_to_load(metadata, optim=load_optim_state)
-    trainer_state = _exclude(state, trainer_state, exclude, req.dir)
-    load_state(
-        state,
-        req.storage,
-        folder,
-        metadata,
-        group=req.group,
-        download_to=req.work_dir / "download-cache" if req.pre_download else None,
-        thread_count=req.thread_count,
-        check_items=req.verify != "none",
-    )
-    train_module.load_state_dict(state)
+    with paused_gc():  # thousands of entries: see gc_pause
+        state = train_module.state_dict_to_load(metadata, optim=load_optim_state)
+        trainer_state = _exclude(state, trainer_state, exclude, req.dir)
+        load_state(
+            state,
+            req.storage,
+            folder,
+            metadata,
+            group=req.group,
+            download_to=req.work_dir / "download-cache" if req.pre_download else None,
+            thread_count=req.thread_count,
+            check_items=req.verify != "none",
+        )
+        train_module.load_state_dict(state)
     return trainer_state
 
 

@@ -1,19 +1,27 @@
-"""DCP's `.metadata` record, read as hostile input: size-bounded, optionally checked against the
-manifest first, and unpickled only by the exact allow-list in `safe_unpickle`.
+"""DCP's `.metadata` record, read as hostile input: size-bounded (a bound that grows with the
+folder's shard files, `records.dcp_metadata_bound`), optionally checked against the manifest
+first, and unpickled only by the exact allow-list in `safe_unpickle`.
 
 Called on: any rank that plans a load, and offline tools (inspect, export, verify)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from torch.distributed.checkpoint.metadata import Metadata
 
 from trainckpt.errors import CorruptCheckpointError
 from trainckpt.format.layout import DCP_METADATA_FILE
-from trainckpt.format.records import MAX_DCP_METADATA_BYTES, read_record_bytes
+from trainckpt.format.records import (
+    DCP_METADATA_FLOOR_BYTES,
+    dcp_metadata_bound,
+    read_record_bytes,
+)
 from trainckpt.format.safe_unpickle import load_dcp_metadata
 from trainckpt.storage import Storage
+
+log = logging.getLogger(__name__)
 
 
 def read_dcp_metadata(
@@ -22,10 +30,24 @@ def read_dcp_metadata(
     """DCP's `.metadata` of `folder`, read safely; `check(data, where)` may refuse its bytes
     first (e.g. against the manifest)."""
     where = storage.join(folder, DCP_METADATA_FILE)
-    data = read_record_bytes(storage, where, MAX_DCP_METADATA_BYTES)
+    data = storage.read_bytes(where, 0, DCP_METADATA_FLOOR_BYTES + 1)
+    if len(data) > DCP_METADATA_FLOOR_BYTES:  # past the floor: the folder's shards decide
+        del data
+        data = read_record_bytes(storage, where, dcp_metadata_bound(_shard_bytes(storage, folder)))
     if check is not None:
         check(data, where)
     md = load_dcp_metadata(data, where)
     if not isinstance(md, Metadata):
         raise CorruptCheckpointError(f"{where} does not hold DCP metadata")
     return md
+
+
+def _shard_bytes(storage: Storage, folder: str) -> int:
+    """The size of the `.distcp` shard files directly in `folder`; 0 where it cannot be
+    listed (HTTP): the floor is the bound there."""
+    try:
+        listing = storage.list_files(folder)
+    except Exception as e:
+        log.info("cannot list '%s' (%s): its .metadata is bounded by the floor", folder, e)
+        return 0
+    return sum(size for rel, size in listing.items() if "/" not in rel and rel.endswith(".distcp"))

@@ -25,9 +25,22 @@ MAX_METADATA_BYTES = 64 * 1024
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 """Largest `.manifest.json` read: about 700,000 files at ~90 bytes per entry, far more than a
 job of 10,000 ranks writes (one trainer-state file and a few shards per rank)."""
-MAX_DCP_METADATA_BYTES = 1024 * 1024 * 1024
-"""Largest DCP `.metadata` pickle read. It grows with values x shards (a chunk entry per
-shard of each tensor): a few hundred MB for a large FSDP job on thousands of ranks."""
+DCP_METADATA_FLOOR_BYTES = 1024 * 1024 * 1024
+"""A DCP `.metadata` pickle up to this size is always read. Larger ones are read up to
+`dcp_metadata_bound`, which grows with the checkpoint."""
+DCP_METADATA_BYTES_PER_SHARD_BYTE = 4
+"""`.metadata` holds one entry (~100-300 bytes) per item of a shard file, and each item is a
+`torch.save` archive of at least ~700 bytes: a `.metadata` larger than 4x its shards (plus
+the floor) was not written by DCP."""
+
+
+def dcp_metadata_bound(shard_bytes: int) -> int:
+    """Largest DCP `.metadata` read for a folder whose `.distcp` shard files hold
+    `shard_bytes` in all: `DCP_METADATA_FLOOR_BYTES + 4 * shard_bytes`. It scales with the
+    checkpoint (a job of 1,024 ranks with 2 million chunks has a ~300 MB `.metadata` beside
+    gigabytes of shards), and a damaged or crafted file still never reaches memory whole."""
+    return DCP_METADATA_FLOOR_BYTES + DCP_METADATA_BYTES_PER_SHARD_BYTE * shard_bytes
+
 
 MANIFEST_FORMAT: Final = 1
 """`format` of a manifest without `attempt`: what local and shared-filesystem saves write, and

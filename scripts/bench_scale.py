@@ -1,0 +1,457 @@
+"""Bookkeeping at scale: `python scripts/bench.py --scale` runs this part.
+
+Two measurements, each a table and a `scale` section of `--json`:
+
+1. **Many entries, one rank.** States shaped like MoE layers (each layer 50 experts
+   `Linear(16, 16)` with AdamW: 8 state entries per expert, 400 per layer; 2,000 / 16,000 /
+   64,000 entries by default) are saved and loaded by every contender, alternating in one run:
+   trainckpt (`save`, `save_async` until committed, `load`), plain DCP, OLMo-core and PyTorch's
+   `torch_checkpointing` (sync saver; on CPU with pinned memory and direct I/O off; it does not
+   fsync, every other contender does). Each load is checked against the saved state. Reported:
+   seconds, the cost per entry, and how that cost grows from the smallest state to the largest.
+2. **Simulated many ranks.** Real thousand-rank jobs are not available here, so synthetic
+   per-rank inputs for 256..8,192 ranks (every tensor sharded over every rank) are fed to the
+   functions rank 0 and every rank run: DCP's global save planning, the manifest and the
+   commit's file check (rank 0), and reading the checkpoint's metadata (every rank, a foreign
+   `.metadata` through the safe unpickler against `pickle` itself). Reported: seconds and peak
+   traced memory per function.
+"""
+
+from __future__ import annotations
+
+import gc
+import pickle
+import shutil
+import statistics
+import sys
+import time
+import tracemalloc
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import Timer, fingerprint, zero_state  # noqa: E402
+
+from trainckpt import Checkpointer, CheckpointerConfig, ModelAndOptim  # noqa: E402
+
+EXPERTS = 50
+ENTRIES_PER_LAYER = EXPERTS * 8  # weight + bias, each with step, exp_avg, exp_avg_sq
+TRAIN_STATE = {"step": 1}
+TC_NOTE = "torch_checkpointing does not fsync its files (every other contender does)"
+
+
+def make_moe(entries: int, seed: int = 0) -> ModelAndOptim:
+    """Layers of `EXPERTS` experts `Linear(16, 16)` with AdamW after one step: `entries` state
+    entries (rounded to whole layers, at least one)."""
+    layers = max(1, round(entries / ENTRIES_PER_LAYER))
+    torch.manual_seed(seed)
+    model = torch.nn.ModuleList(
+        torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(EXPERTS)) for _ in range(layers)
+    )
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    return ModelAndOptim(model, optim)
+
+
+def entry_count(module: ModelAndOptim) -> int:
+    params = list(module.model.parameters())
+    assert module.optim is not None
+    return len(params) + sum(len(s) for s in module.optim.state.values())
+
+
+# -- contenders --------------------------------------------------------------------------------
+
+
+@dataclass
+class ScaleContender:
+    label: str
+    save: Callable[[Path], None]
+    load: Callable[[Path], None]
+    note: str = ""
+
+
+def contenders(module: ModelAndOptim, ckpt: Checkpointer, work: Path) -> list[ScaleContender]:
+    import torch.distributed.checkpoint as dcp
+
+    out = [
+        ScaleContender(
+            "trainckpt save",
+            lambda f: ckpt.save(f, module, TRAIN_STATE),
+            lambda f: ckpt.load(f, module),
+        ),
+        ScaleContender(
+            "trainckpt save_async",
+            lambda f: ckpt.save_async(f, module, TRAIN_STATE).result(),
+            lambda f: ckpt.load(f, module),
+        ),
+    ]
+
+    def dcp_save(folder: Path) -> None:
+        dcp.save(module.state_dict_to_save(), checkpoint_id=str(folder))
+
+    def dcp_load(folder: Path) -> None:
+        reader = dcp.FileSystemReader(str(folder))
+        state = module.state_dict_to_load(reader.read_metadata(), optim=True)
+        dcp.load(state, checkpoint_id=str(folder))
+        module.load_state_dict(state)
+
+    out.append(ScaleContender("plain DCP", dcp_save, dcp_load))
+    try:
+        from olmo_core.train.checkpoint import Checkpointer as OlmoCheckpointer
+    except ImportError:
+        pass
+    else:
+        olmo = OlmoCheckpointer(work_dir=work / "olmo-work")
+        out.append(
+            ScaleContender(
+                "OLMo-core",
+                lambda f: olmo.save(str(f), module, TRAIN_STATE),
+                lambda f: olmo.load(str(f), module),
+            )
+        )
+    tc = torch_checkpointing(module)
+    if tc is not None:
+        out.append(tc)
+    return out
+
+
+def torch_checkpointing(module: ModelAndOptim) -> ScaleContender | None:
+    """PyTorch's `torch_checkpointing` 0.1 (sync saver), set up for the CPU: direct I/O off
+    (pinned memory is off by itself without CUDA)."""
+    try:
+        from torch_checkpointing import CheckpointManager
+        from torch_checkpointing.config import SyncCheckpointSaverConfig
+        from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+    except ImportError:
+        return None
+    manager = CheckpointManager(
+        CheckpointManager.Config(
+            save=SyncCheckpointSaverConfig(),
+            storage_config=LocalFileSystemStorageConfig(use_direct_io=False),
+        )
+    )
+    assert module.optim is not None
+    optim = module.optim
+
+    def payload() -> dict[str, Any]:
+        return {"model": module.model.state_dict(), "optim": optim.state_dict()}
+
+    return ScaleContender(
+        "torch_checkpointing",
+        lambda f: manager.save(str(f), payload()),
+        lambda f: manager.load(str(f), into=payload()),
+        note=TC_NOTE,
+    )
+
+
+# -- many entries, one rank --------------------------------------------------------------------
+
+
+def bench_entries(sizes: list[int], repeats: int, root: Path) -> dict[str, Any]:
+    """Every contender saves and loads a MoE-shaped state of each size in `sizes` (entries),
+    alternating, `repeats` times; medians, cost per entry and its growth."""
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    results: dict[str, dict[str, Any]] = {}
+    notes: list[str] = []
+    ckpt = CheckpointerConfig(work_dir=root / "scale-work").build()
+    try:
+        for size in sizes:
+            module = make_moe(size)
+            entries = entry_count(module)
+            expected = fingerprint(module)
+            cs = contenders(module, ckpt, root)
+            for c in cs:
+                if c.note and c.note not in notes:
+                    notes.append(c.note)
+            save: dict[str, list[float]] = {c.label: [] for c in cs}
+            load: dict[str, list[float]] = {c.label: [] for c in cs}
+            for r in range(repeats):
+                for c in cs[r % len(cs) :] + cs[: r % len(cs)]:
+                    folder = root / f"scale-{size}-{cs.index(c)}-{r}" / "step1"
+                    gc.collect()
+                    with Timer() as t:
+                        c.save(folder)
+                    save[c.label].append(t.seconds)
+                    zero_state(module)
+                    gc.collect()
+                    with Timer() as t:
+                        c.load(folder)
+                    load[c.label].append(t.seconds)
+                    if fingerprint(module) != expected:
+                        raise RuntimeError(f"{c.label} at {entries} entries: the load differs")
+                    shutil.rmtree(folder.parent)
+                    print(
+                        f"  scale {entries} entries, repeat {r + 1}/{repeats} {c.label}: "
+                        f"save {save[c.label][-1]:.2f}s load {load[c.label][-1]:.2f}s",
+                        flush=True,
+                    )
+            for c in cs:
+                s, ld = statistics.median(save[c.label]), statistics.median(load[c.label])
+                results.setdefault(c.label, {})[str(entries)] = {
+                    "entries": entries,
+                    "save_s": s,
+                    "load_s": ld,
+                    "save_us_per_entry": s / entries * 1e6,
+                    "load_us_per_entry": ld / entries * 1e6,
+                    "save_samples": save[c.label],
+                    "load_samples": load[c.label],
+                }
+    finally:
+        ckpt.close()
+    for by_size in results.values():
+        points = list(by_size.values())
+        for op in ("save", "load"):
+            first, last = points[0][f"{op}_us_per_entry"], points[-1][f"{op}_us_per_entry"]
+            by_size[f"{op}_growth"] = last / first  # type: ignore[assignment]
+    return {"results": results, "repeats": repeats, "notes": notes}
+
+
+def entries_table(report: dict[str, Any]) -> str:
+    head = (
+        f"{'contender':<22} {'entries':>8} {'save s':>8} {'load s':>8} "
+        f"{'save µs/entry':>14} {'load µs/entry':>14}"
+    )
+    lines = [head, "-" * len(head)]
+    for label, by_size in report["results"].items():
+        for r in by_size.values():
+            if not isinstance(r, dict):
+                continue
+            lines.append(
+                f"{label:<22} {r['entries']:>8} {r['save_s']:>8.2f} {r['load_s']:>8.2f} "
+                f"{r['save_us_per_entry']:>14.0f} {r['load_us_per_entry']:>14.0f}"
+            )
+        lines.append(
+            f"{label:<22} {'growth':>8} per entry, largest / smallest state: save "
+            f"{by_size['save_growth']:.2f}×, load {by_size['load_growth']:.2f}×"
+        )
+    lines += [f"note: {n}" for n in report["notes"]]
+    return "\n".join(lines)
+
+
+# -- simulated many ranks ----------------------------------------------------------------------
+
+
+def _measure(fn: Callable[[], Any]) -> dict[str, float]:
+    """Seconds of one call, then the peak memory it allocated (a second, traced call)."""
+    gc.collect()
+    start = time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - start
+    gc.collect()
+    tracemalloc.start()
+    try:
+        fn()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return {"s": seconds, "peak_mb": peak / 1e6}
+
+
+class _Listing:
+    """The part of a `Storage` the commit's file check calls: a fixed listing."""
+
+    def __init__(self, files: dict[str, int]) -> None:
+        self.files = files
+
+    def list_files(self, folder: str) -> dict[str, int]:
+        return dict(self.files)
+
+
+def _sim_save_plans(ranks: int, tensors: int) -> list[Any]:
+    """Each rank's local DCP save plan: one row-shard of each of `tensors` tensors."""
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+    )
+    from torch.distributed.checkpoint.planner import (
+        SavePlan,
+        TensorWriteData,
+        WriteItem,
+        WriteItemType,
+    )
+
+    props = TensorProperties(dtype=torch.float32)
+    size = torch.Size([ranks, 64])
+    return [
+        SavePlan(
+            [
+                WriteItem(
+                    index=MetadataIndex(f"layers.{t}.weight", torch.Size([r, 0])),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(torch.Size([r, 0]), torch.Size([1, 64])),
+                        properties=props,
+                        size=size,
+                    ),
+                )
+                for t in range(tensors)
+            ],
+            planner_data={},
+        )
+        for r in range(ranks)
+    ]
+
+
+def sim_metadata(ranks: int, tensors: int) -> Any:
+    """A DCP `Metadata` of `tensors` tensors, each sharded over `ranks` ranks."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    props = TensorProperties(dtype=torch.float32)
+    state: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    for t in range(tensors):
+        fqn = f"layers.{t}.weight"
+        chunks = []
+        for r in range(ranks):
+            chunks.append(ChunkStorageMetadata(torch.Size([r, 0]), torch.Size([1, 64])))
+            storage[MetadataIndex(fqn, torch.Size([r, 0]))] = _StorageInfo(
+                f"__{r}_0.distcp", t * 1024, 1024
+            )
+        state[fqn] = TensorStorageMetadata(props, torch.Size([ranks, 64]), chunks)
+    return Metadata(state_dict_metadata=state, storage_data=storage)
+
+
+def bench_ranks(rank_counts: list[int], tensors: int) -> dict[str, Any]:
+    """Time and peak memory of each per-rank and rank-0 function, per simulated rank count."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from trainckpt.core.commit import _check_complete
+    from trainckpt.format.records import CheckpointManifest
+    from trainckpt.format.safe_unpickle import load_dcp_metadata
+    from trainckpt.storage.checksums import FileEntry
+
+    out: dict[str, dict[str, Any]] = {}
+    for ranks in rank_counts:
+        row: dict[str, Any] = {"chunks": ranks * tensors}
+        plans = _sim_save_plans(ranks, tensors)
+
+        def plan(plans: list[Any] = plans) -> None:
+            planner = DefaultSavePlanner()
+            planner.create_global_plan(plans)
+
+        row["rank 0: DCP global save plan"] = _measure(plan)
+        del plans
+        parts = [
+            {
+                f"model/__{r}_{i}.distcp": FileEntry(size=4096 + i, crc32c=f"{r:08x}")
+                for i in range(4)
+            }
+            | {f"train/rank{r}.pt": FileEntry(size=100, crc32c="00000000")}
+            for r in range(ranks)
+        ]
+        listing = _Listing({k: e.size for p in parts for k, e in p.items()})
+
+        def manifest(parts: list[Any] = parts, ranks: int = ranks) -> bytes:
+            return CheckpointManifest.merge(parts, step=1, world_size=ranks).to_json()
+
+        def file_check(
+            parts: list[Any] = parts, listing: _Listing = listing, ranks: int = ranks
+        ) -> None:
+            m = CheckpointManifest.merge(parts, step=1, world_size=ranks)
+            _check_complete(listing, "ckpt", m)  # type: ignore[arg-type]
+
+        row["rank 0: manifest"] = _measure(manifest)
+        row["rank 0: commit file check"] = _measure(file_check)
+        del parts, listing
+        data = pickle.dumps(sim_metadata(ranks, tensors))
+        row["metadata_bytes"] = len(data)
+        row["every rank: pickle.loads(.metadata)"] = _measure(lambda d=data: pickle.loads(d))
+        row["every rank: safe unpickle (.metadata)"] = _measure(
+            lambda d=data: load_dcp_metadata(d, "sim/.metadata")
+        )
+        out[str(ranks)] = row
+        print(f"  simulated {ranks} ranks: done", flush=True)
+    return {"tensors": tensors, "results": out}
+
+
+def ranks_table(report: dict[str, Any]) -> str:
+    rows = report["results"]
+    functions = [k for k, v in next(iter(rows.values())).items() if isinstance(v, dict)]
+    head = f"{'function (simulated ranks →)':<40}" + "".join(f"{r:>16}" for r in rows)
+    lines = [
+        f"simulated ranks: {report['tensors']} tensors, each sharded over every rank "
+        "(seconds / peak MB)",
+        head,
+        "-" * len(head),
+    ]
+    for fn in functions:
+        cells = "".join(f"{rows[r][fn]['s']:>8.3f}/{rows[r][fn]['peak_mb']:<7.1f}" for r in rows)
+        lines.append(f"{fn:<40}{cells}")
+    lines.append(
+        f"{'.metadata MB':<40}" + "".join(f"{rows[r]['metadata_bytes'] / 1e6:>16.1f}" for r in rows)
+    )
+    return "\n".join(lines)
+
+
+def bench_scale(
+    sizes: list[int], repeats: int, rank_counts: list[int], tensors: int, root: Path
+) -> dict[str, Any]:
+    """Both parts, printed and returned for `--json`."""
+    entries = bench_entries(sizes, repeats, root)
+    print()
+    print(entries_table(entries))
+    ranks = bench_ranks(rank_counts, tensors)
+    print()
+    print(ranks_table(ranks))
+    return {"entries": entries, "ranks": ranks}
+
+
+def scale_targets(report: dict[str, Any]) -> list[str]:
+    """The issue's targets for this part, each with this run's ratio."""
+    out: list[str] = []
+    results = report["entries"]["results"]
+    ours = results.get("trainckpt save", {})
+    peers = {k: v for k, v in results.items() if not k.startswith("trainckpt")}
+    sizes = [k for k, v in ours.items() if isinstance(v, dict)]
+    for size in sizes:
+        want = 0.8 if int(size) >= 64000 else 1.0
+        for op in ("save", "load"):
+            best = min((v[size][f"{op}_s"] for v in peers.values() if size in v), default=None)
+            if best is None:
+                continue
+            x = ours[size][f"{op}_s"] / best
+            verdict = "met" if x <= want else "NOT met"
+            out.append(
+                f"target {size} entries: trainckpt {op} / best peer's: {x:.2f} (want <= {want})"
+                f" -> {verdict}"
+            )
+    for op in ("save", "load"):
+        if f"{op}_growth" in ours:
+            g = ours[f"{op}_growth"]
+            out.append(
+                f"target trainckpt {op} cost per entry, largest / smallest state: {g:.2f} "
+                f"(want <= 1.25) -> {'met' if g <= 1.25 else 'NOT met'}"
+            )
+    rows = report["ranks"]["results"]
+    if rows:
+        top = max(rows, key=int)
+        r = rows[top]
+        commit = r["rank 0: manifest"]["s"] + r["rank 0: commit file check"]["s"]
+        out.append(
+            f"target simulated {top} ranks: rank 0 commit work {commit:.2f}s (want <= 2) -> "
+            f"{'met' if commit <= 2 else 'NOT met'}"
+        )
+        x = r["every rank: safe unpickle (.metadata)"]["s"] / max(
+            r["every rank: pickle.loads(.metadata)"]["s"], 1e-9
+        )
+        out.append(
+            f"target simulated {top} ranks: safe unpickle / pickle: {x:.2f} (want <= 1.5) -> "
+            f"{'met' if x <= 1.5 else 'NOT met'}"
+        )
+    return out
