@@ -8,8 +8,9 @@ metrics across ranks, so with a plain future a callback may still add a metric o
 not yet on another: the ranks then reduce different tensors and the job dies on a collective
 mismatch. Here a waiter resumes only once the callbacks are done.
 
-It also remembers whether its error was raised to anyone (`result()`), so the checkpointer's next call raises a failed save's error only if nobody has
-seen it yet (`result_once`): an error is raised once.
+It also remembers whether its error was raised to anyone (`result()`), so the checkpointer's
+next call raises a failed save's error only if nobody has seen it yet (`result_once`): an error
+is raised once.
 """
 
 from __future__ import annotations
