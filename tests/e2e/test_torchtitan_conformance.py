@@ -67,7 +67,6 @@ def test_raw_tensors_and_a_missing_data_loader_interchange(
     assert loader.load(step=1)
     loader.close()
     assert torch.equal(extra, torch.arange(4.0))  # filled in place, as torchtitan does
-    assert run.train_state.step == 0 or reader == "trainckpt"
 
 
 def test_missing_load_step_uses_torchtitans_words(tmp_path: Path) -> None:
