@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -94,8 +95,13 @@ class Checkpointer:
         with writing(self.work_dir):  # a raw OSError here would name no setting
             self.work_dir.mkdir(parents=True, exist_ok=True)
         self._own_group: dist.ProcessGroup | None = None
+        self._destroy_own_group: Callable[[], Any] = lambda: None
         if self.process_group is None:
             self.process_group = self._own_group = dist.new_cpu_group(self.collective_timeout)
+            if self._own_group is not None:  # destroyed also if this object is dropped unclosed
+                self._destroy_own_group = weakref.finalize(
+                    self, dist.destroy_group, self._own_group
+                )
         else:
             dist.check_cpu_group(self.process_group)
         self._storage_options = StorageOptions(
@@ -115,6 +121,7 @@ class Checkpointer:
         self._lock = threading.Lock()
         self._loaded: tuple[Storage, str, int] | None = None
         """(storage, folder, step) of the last checkpoint loaded, until the next save."""
+        exit_guard.track(self)  # its own group is destroyed at exit if close() is not called
         self._local = (
             None
             if self.local_dir is None
@@ -359,10 +366,11 @@ class Checkpointer:
         """Destroy the gloo group this checkpointer created and drop every reference to it, so
         its worker threads stop now. Left to interpreter exit, a worker thread still releasing
         a finished collective's tensors aborts the process ("terminate called without an active
-        exception"). A group the caller passed in stays the caller's. Called on: all ranks."""
+        exception"). A group the caller passed in stays the caller's. Called on: all ranks, by
+        `close()`, or at exit by `exit_guard` when the process never called it."""
         if self._own_group is None:
             return
-        dist.destroy_group(self._own_group)
+        self._destroy_own_group()  # runs once (weakref.finalize)
         self._own_group = self.process_group = None
         self._local = None
 

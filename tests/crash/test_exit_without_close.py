@@ -128,3 +128,23 @@ def test_two_ranks_exit_with_a_dead_peer_ends_and_names_the_save(tmp_path: Path)
         for line in log0.splitlines()
     ), log0
     assert not Checkpointer.dir_is_checkpoint(path)
+
+
+TP_WORKER = SUPPORT / "tp_exit_worker.py"
+
+
+def test_two_rank_tensor_parallel_runs_exit_cleanly_without_close(tmp_path: Path) -> None:
+    """OLMo-core's style: a tensor-parallel save and load, the checkpointer never closed, the
+    job's groups destroyed (or not) before the interpreter exits. Every run must exit 0, and
+    the checkpointer's own gloo group must be released before the interpreter finalizes (at
+    finalization its worker threads abort the process now and then: "terminate called without
+    an active exception"). Run several times: the abort is a race."""
+    for run in range(6):
+        teardown = "destroy" if run % 2 == 0 else "keep"
+        out = tmp_path / f"out{run}"
+        results = launch_ranks("-", 2, out, str(tmp_path / f"run{run}"), teardown, worker=TP_WORKER)
+        logs = [(out / f"rank{r}.log").read_text() for r in range(2)]
+        assert [code for code, _ in results] == [0, 0], (run, teardown, logs)
+        for log in logs:
+            assert "loaded exactly" in log, (run, log)
+            assert "own group alive at the last exit hook: False" in log, (run, teardown, log)

@@ -15,10 +15,18 @@ Two hooks, both bounded by each checkpointer's `exit_timeout`:
   default action and sends SIGTERM again, so the process still ends by that signal.
 
 Either way the outcome is logged: an ERROR names every save that did not commit, and why.
+
+A third hook, at `atexit` (after every thread of the process, the save threads too, has
+ended), makes each live checkpointer destroy the gloo group it created. Left to the
+interpreter's finalization, that group's worker threads may still be releasing a finished
+collective's tensors, which needs the interpreter lock; during finalization that kills the
+thread inside C++ code and the process aborts ("terminate called without an active
+exception", SIGABRT).
 """
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures.thread  # noqa: F401 -- its exit hook must be registered before ours
 import logging
 import os
@@ -43,6 +51,10 @@ class Guarded(Protocol):
         """The target and future of the async save nobody has waited for yet, if any."""
         ...
 
+    def _release_own_group(self) -> None:
+        """Destroy the process group the checkpointer created, if any, and drop it."""
+        ...
+
 
 _ENDS_LATER = (
     "the process ends once the save stops (new work is refused; a peer that does not answer "
@@ -53,11 +65,17 @@ _live: weakref.WeakValueDictionary[int, Guarded] = weakref.WeakValueDictionary()
 _lock = threading.RLock()  # re-entered when SIGTERM arrives while the main thread holds it
 
 
-def watch(ckpt: Guarded) -> None:
-    """Finish `ckpt`'s in-flight save at exit and on SIGTERM. Called by `save_async` (the
-    SIGTERM handler is installed only when called on the main thread)."""
+def track(ckpt: Guarded) -> None:
+    """Finish `ckpt`'s in-flight save and destroy its own group at exit (held weakly: a
+    checkpointer collected earlier is not kept alive). Called by its constructor."""
     with _lock:
         _live[id(ckpt)] = ckpt
+
+
+def watch(ckpt: Guarded) -> None:
+    """Also finish `ckpt`'s in-flight save on SIGTERM. Called by `save_async` (the SIGTERM
+    handler is installed only when called on the main thread)."""
+    track(ckpt)
     if threading.current_thread() is threading.main_thread():
         if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
             signal.signal(signal.SIGTERM, _on_sigterm)
@@ -124,6 +142,18 @@ def _at_exit() -> None:
     finish_in_flight("the process is exiting", ends_now=False)
 
 
+def _release_groups() -> None:
+    """Every live checkpointer destroys the group it created (its gloo threads end now, while
+    the interpreter can still run them). Never raises."""
+    with _lock:
+        live = list(_live.values())
+    for ckpt in live:
+        try:
+            ckpt._release_own_group()
+        except Exception:  # an exit hook must not fail the exit
+            log.exception("could not destroy a checkpointer's process group at exit")
+
+
 def _on_sigterm(signum: int, frame: object) -> None:
     finish_in_flight("SIGTERM received", ends_now=True)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -131,3 +161,4 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 
 threading._register_atexit(_at_exit)  # type: ignore[attr-defined]
+atexit.register(_release_groups)
