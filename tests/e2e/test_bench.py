@@ -48,6 +48,9 @@ def test_bench_runs_and_prints_its_table(tmp_path: Path) -> None:
         "local save_local committed (rf=2)",
         "local load_local from the peer (rank 0's disk wiped)",
         "target local replication",
+        "target local save_local committed (rf=1)",
+        "local process-group transfer of the replica's bytes",
+        "local phase (rf=2): send wait",
     ):
         assert row in run.stdout, row
     report = json.loads(out.read_text())

@@ -11,17 +11,21 @@ Save (all ranks, the checkpointer's CPU group; the layout is `format/local_layou
    ranks agree that every part and replica is durable and intact (phase 1).
 3. Only then each rank writes its commit marker naming step, attempt and the parts it holds
    (phase 2), and the ranks agree again: the save is committed.
-4. One rank per disk deletes steps beyond `keep`, markers first.
+4. The ranks count the steps they can restore (the coverage vote); one rank per disk then
+   deletes, on a thread of its own while training goes on, the steps beyond the `keep` newest
+   restorable ones, markers first. A step that lost a part never displaces a restorable one.
 
 Restore: every rank reports what its disk holds; the newest (step, attempt) whose every owner
-rank's part is held by some live rank wins, the same answer everywhere. Each rank reads its own
-part from its disk when present and intact (CRC32C-checked in chunks), otherwise receives it
-from a holder on another disk into a scratch folder on its own disk (every byte checked as it
-is written); the module file is then memory-mapped, so no rank holds a whole part in memory
-besides the module it loads into. A bad copy falls back to the next holder, and a step that
-cannot be assembled to an older one (`restore_latest`). Parts are found by owner rank, never by
-node: ranks that restart on other nodes still restore. Nothing read is ever unpickled but by
-`load_torch_plain`.
+rank's part is held by some live rank wins, the same answer everywhere. Each rank copies its
+own part from its disk, or else receives it from a holder on another disk, into a private
+file on its own disk (`storage/private_file.py`: no name, no other process can open it),
+computing the CRC32C of exactly the bytes it writes there; only a copy that matches the
+record is loaded, and what is loaded is that copy (check what you copy: a part changed on
+disk meanwhile changes nothing loaded). The module file is memory-mapped from the copy, so no
+rank holds a whole part in memory besides the module it loads into. A bad copy falls back to
+the next holder, and a step that cannot be assembled to an older one (`restore_latest`).
+Parts are found by owner rank, never by node: ranks that restart on other nodes still
+restore. Nothing read is ever unpickled but by `load_torch_plain`.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import logging
 import os
 import pickle
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -93,12 +98,15 @@ class LocalTier:
     _warned: bool = field(default=False, init=False)
     _disks: list[str] = field(default_factory=list, init=False)
     """The disk id of each rank (ranks with the same id share a disk)."""
+    _pruning: threading.Thread | None = field(default=None, init=False)
+    """Retention of the last committed step, deleting on this disk after the commit."""
 
     # -- start-up -------------------------------------------------------------------------------
     def open(self) -> None:
         """Learn which ranks share a disk and clean crashed leftovers (once per job).
 
-        Called on: all ranks (the first save or restore calls it)."""
+        Called on: all ranks (every save and restore calls it first)."""
+        self.wait_for_retention()
         if self._disks:
             return
         error: Exception | None = None
@@ -168,6 +176,7 @@ class LocalTier:
             for h in self.holders(owner)
         ]
         self._warn_thin_replication(transfers, world)
+        replication = time.perf_counter()
         failures = exchange(
             transfers,
             self.group,
@@ -179,6 +188,7 @@ class LocalTier:
         )
         with clock("agree"):
             dist.agree(_first_failure(failures, transfers, what), f"replicating {what}", self.group)
+        replication = time.perf_counter() - replication
 
         fault_point("local-between-phases")
         held = sorted({rank, *(t.owner for t in transfers if t.dst == rank)})
@@ -194,24 +204,38 @@ class LocalTier:
         with clock("agree"):
             dist.agree(error, f"committing {what}", self.group)
         committed = time.perf_counter() - start
-        with clock("retention"):
-            restorable = {s for s, _a in self.covered()}
-            if self._is_disk_leader():
-                self._retain(step, restorable)
         phases = {name: clock.seconds.get(name, 0.0) for name in PHASES}
         log.info(
             "committed local checkpoint step %d (attempt %s, %d bytes own part, %d replicas "
-            "held) in %.2fs, then retention %.2fs; phases: %s",
+            "held) in %.2fs: %s",
             step,
             attempt,
             parts[rank].size,
             len(held) - 1,
             committed,
-            phases["retention"],
-            ", ".join(f"{k} {v:.3f}s" for k, v in phases.items() if k != "retention"),
-            extra={"local_save_seconds": {"committed": committed, **phases}},  # for tools
+            ", ".join(f"{k} {v:.3f}s" for k, v in phases.items()),
+            extra={  # for tools (scripts/bench_local.py)
+                "local_save_seconds": {
+                    "committed": committed,
+                    "replication": replication,
+                    **phases,
+                }
+            },
         )
+        restorable = {s for s, _a in self.covered()}
+        if self._is_disk_leader():  # the deleting goes on while training does
+            self._pruning = threading.Thread(
+                target=self._retain, args=(step, restorable), name="trainckpt-local-retention"
+            )
+            self._pruning.start()
         return attempt
+
+    def wait_for_retention(self) -> None:
+        """Wait until the deletions of the last save's retention are done (each save and
+        restore waits first). Called on: any rank."""
+        if self._pruning is not None:
+            self._pruning.join()
+            self._pruning = None
 
     def _write_own(
         self,
@@ -507,12 +531,12 @@ PHASES = (
     "receive write",
     "receive close",
     "marker",
-    "retention",
 )
 """The phases of a local save, as its log line and `local_save_seconds` name them: own part
 (`serialize`: torch.save's own work; `crc`; `write`: into the page cache; `fsync`: the files,
 `part.json` and folders), `agree` (the collectives of the two phases), replication (see
-`exchange`), the commit `marker`, and `retention` (after the commit)."""
+`exchange`), and the commit `marker`. Retention runs after the commit, on a thread of its own
+(its log lines time it)."""
 
 
 _WRITE_BUFFER = 1 << 20
