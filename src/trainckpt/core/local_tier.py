@@ -761,12 +761,15 @@ def _copy_own(folder: Path, files: ExitStack) -> _PrivateCopy:
     try:
         while got := source.readinto(buf):
             copy.write(buf[:got])
-    finally:
-        source.close()
-    try:
         copy.close()
     except CorruptCheckpointError as e:
+        copy.drop()  # its disk space is free again at once
         raise CorruptCheckpointError(f"'{folder}': {e}") from e
+    except BaseException:
+        copy.drop()
+        raise
+    finally:
+        source.close()
     return copy
 
 
