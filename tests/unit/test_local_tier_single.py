@@ -175,7 +175,7 @@ def test_retention_keeps_restorable_steps_not_one_that_lost_a_part(tmp_path: Pat
     for f in (tmp_path / "local").glob("step2/*/rank0/module.pt"):
         f.unlink()
     ckpt.save_local(3, modules[3], {"step": 3}).result()
-    assert ckpt.latest_local() == 3  # (and the retention after step 3 is done)
+    assert ckpt.latest_local() == 3
     assert sorted(p.name for p in (tmp_path / "local").glob("step*")) == ["step1", "step3"]
     for f in (tmp_path / "local").glob("step3/*/rank0/train.pt"):
         f.unlink()

@@ -12,8 +12,8 @@ Save (all ranks, the checkpointer's CPU group; the layout is `format/local_layou
 3. Only then each rank writes its commit marker naming step, attempt and the parts it holds
    (phase 2), and the ranks agree again: the save is committed.
 4. The ranks count the steps they can restore (the coverage vote); one rank per disk then
-   deletes, on a thread of its own while training goes on, the steps beyond the `keep` newest
-   restorable ones, markers first. A step that lost a part never displaces a restorable one.
+   deletes the steps beyond the `keep` newest restorable ones, markers first. A step that lost
+   a part never displaces a restorable one.
 
 Restore: every rank reports what its disk holds; the newest (step, attempt) whose every owner
 rank's part is held by some live rank wins, the same answer everywhere. Each rank copies its
@@ -34,7 +34,6 @@ import logging
 import os
 import pickle
 import shutil
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -98,15 +97,12 @@ class LocalTier:
     _warned: bool = field(default=False, init=False)
     _disks: list[str] = field(default_factory=list, init=False)
     """The disk id of each rank (ranks with the same id share a disk)."""
-    _pruning: threading.Thread | None = field(default=None, init=False)
-    """Retention of the last committed step, deleting on this disk after the commit."""
 
     # -- start-up -------------------------------------------------------------------------------
     def open(self) -> None:
         """Learn which ranks share a disk and clean crashed leftovers (once per job).
 
-        Called on: all ranks (every save and restore calls it first)."""
-        self.wait_for_retention()
+        Called on: all ranks (the first save or restore calls it)."""
         if self._disks:
             return
         error: Exception | None = None
@@ -223,19 +219,9 @@ class LocalTier:
             },
         )
         restorable = {s for s, _a in self.covered()}
-        if self._is_disk_leader():  # the deleting goes on while training does
-            self._pruning = threading.Thread(
-                target=self._retain, args=(step, restorable), name="trainckpt-local-retention"
-            )
-            self._pruning.start()
+        if self._is_disk_leader():
+            self._retain(step, restorable)
         return attempt
-
-    def wait_for_retention(self) -> None:
-        """Wait until the deletions of the last save's retention are done (each save and
-        restore waits first). Called on: any rank."""
-        if self._pruning is not None:
-            self._pruning.join()
-            self._pruning = None
 
     def _write_own(
         self,
@@ -535,8 +521,8 @@ PHASES = (
 """The phases of a local save, as its log line and `local_save_seconds` name them: own part
 (`serialize`: torch.save's own work; `crc`; `write`: into the page cache; `fsync`: the files,
 `part.json` and folders), `agree` (the collectives of the two phases), replication (see
-`exchange`), and the commit `marker`. Retention runs after the commit, on a thread of its own
-(its log lines time it)."""
+`exchange`), and the commit `marker`. Retention runs after the commit and the log line (its
+own log lines time it)."""
 
 
 _WRITE_BUFFER = 1 << 20
