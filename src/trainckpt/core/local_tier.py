@@ -455,7 +455,8 @@ class LocalTier:
                 folder = attempt_dir(self.root, step, attempt)  # gone with a wiped disk
                 with writing(folder):
                     folder.mkdir(parents=True, exist_ok=True)
-                sink = _PrivateCopy(folder, expected)
+                source = part_dir(self.root, step, attempt, t.owner)
+                sink = _PrivateCopy(folder, expected, f"rank {t.src}'s '{source}'")
                 sinks[t.src] = files.enter_context(sink)
                 return sink
 
@@ -696,8 +697,9 @@ class _PrivateCopy:
     whatever happens to the part's own files meanwhile (check what you copy). A sink of
     `exchange` (a copy received from a holder), or filled from the own copy (`_copy_own`)."""
 
-    def __init__(self, folder: Path, part: LocalPart) -> None:
+    def __init__(self, folder: Path, part: LocalPart, source: str) -> None:
         self.part, self._split = part, _Splitter(part)
+        self.source = source  # the part copied, for messages
         owner = f"rank{part.owner}"
         self.files = {
             name: PrivateFile(folder, f"{owner}.{name}.restore.tmp") for name in PART_FILES
@@ -713,7 +715,7 @@ class _PrivateCopy:
         if self.checked:
             return
         for name in PART_FILES:
-            where = f"the copy of rank {self.part.owner}'s '{name}' being restored"
+            where = f"'{name}' of {self.source}, as copied for the restore"
             _check_entry(self.files[name].entry(), self.part.files[name], where)
         self.checked = True
 
@@ -741,18 +743,15 @@ def _copy_own(folder: Path, files: ExitStack) -> _PrivateCopy:
     if not (folder / PART_FILE).exists():
         raise FileNotFoundError(folder / PART_FILE)
     part = read_local_record(folder / PART_FILE, LocalPart)
-    copy = files.enter_context(_PrivateCopy(folder.parent, part))
+    copy = files.enter_context(_PrivateCopy(folder.parent, part, f"'{folder}'"))
     source = _PartReader(folder, part)
     buf = memoryview(bytearray(min(_COPY_CHUNK, max(part.size, 1))))
     try:
         while got := source.readinto(buf):
             copy.write(buf[:got])
         copy.close()
-    except CorruptCheckpointError as e:
-        copy.drop()  # its disk space is free again at once
-        raise CorruptCheckpointError(f"'{folder}': {e}") from e
     except BaseException:
-        copy.drop()
+        copy.drop()  # its disk space is free again at once
         raise
     finally:
         source.close()
@@ -764,12 +763,12 @@ def _load_part(copy: _PrivateCopy) -> tuple[dict[str, Any], dict[str, Any]]:
     memory-mapped (its tensors are views of the copy's pages, so a part of any size needs no
     memory of its size until it is copied into the module), the small trainer file read and
     checked once more as the bytes that are unpickled."""
-    where = f"rank {copy.part.owner}'s restored '{MODULE_FILE}'"
+    where = f"'{MODULE_FILE}' of {copy.source}, as copied and checked"
     state = load_torch_plain(Path(copy.files[MODULE_FILE].path), where)
     if not isinstance(state, dict):
         raise CorruptCheckpointError(f"{where} holds no state dict")
     data = copy.files[TRAIN_FILE].read_all()
-    train_where = f"rank {copy.part.owner}'s restored '{TRAIN_FILE}'"
+    train_where = f"'{TRAIN_FILE}' of {copy.source}, as copied and checked"
     _check(data, copy.part.files[TRAIN_FILE], train_where)
     return state, deserialize_trainer_state(data, train_where)
 
