@@ -229,7 +229,8 @@ def bench_local(size_mb: float, repeats: int, root: Path) -> dict[str, Any]:
             f"want <= {want}) -> {verdict}"
         )
         report["target_ratios"][key] = ratio
-    report["medians"] = rows
+    report["medians"] = {k: v for k, v in rows.items() if not k.startswith("phase")}
+    report["phase_medians"] = {k: v for k, v in rows.items() if k.startswith("phase")}
     return report
 
 
