@@ -7,16 +7,24 @@ until the checkpoint was committed, the median training step during the save rel
 steps just before it, and the training time lost: the blocking time plus the extra time (over
 the median step before the save) of every step that started before the commit.
 
-Contenders: the floor (a separate, already running process writing the same bytes from its own
-memory with `write` + `fsync`), trainckpt `save_async` (default, `overlap_staging=True`, and
-`async_writer="process"`, with and without overlap),
-DCP `async_save` (thread and process) and OLMo-core's `save_async`. Each is warmed first (one
+Contenders: two floors, trainckpt `save_async` (default, `overlap_staging=True`, and
+`async_writer="process"`, with and without overlap), DCP `async_save` (thread and process),
+OLMo-core's `save_async` and PyTorch's `torch_checkpointing` (its `CheckpointManager` with an
+async saver; on CPU with pinned memory and direct I/O off, which it needs there). The floors:
+a separate, already running process writing the same bytes from its own memory with `write` +
+`fsync` (what writing costs the training loop when nothing must be copied), and the training
+thread copying the state into shared memory, then another running process writing it from
+there (the least any snapshot the trainer keeps training past can cost: the copy floor,
+which trainckpt's targets compare with). `torch_checkpointing` does not fsync: its save is
+"committed" when its future resolves, with bytes possibly still in the page cache, so its
+times leave out what the others pay for durability. Each contender is warmed first (one
 untimed save: spawned processes, first buffer allocations); the order rotates every repeat.
 DCP's process mode needs `torch.distributed`: a one-rank gloo group on 127.0.0.1 is set up.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import statistics
@@ -40,6 +48,7 @@ from trainckpt import Checkpointer, CheckpointerConfig, ModelAndOptim
 TRAIN_STATE = {"step": 1, "note": "bench"}
 CONTENDERS = (
     "floor",
+    "copy-floor",
     "async",
     "overlap",
     "process",
@@ -47,9 +56,11 @@ CONTENDERS = (
     "dcp-thread",
     "dcp-process",
     "olmo",
+    "torch-checkpointing",
 )
 LABELS = {
     "floor": "floor: other process write+fsync",
+    "copy-floor": "copy floor: shm copy+process write",
     "async": "trainckpt save_async",
     "overlap": "trainckpt save_async(overlap)",
     "process": "trainckpt save_async(process)",
@@ -57,8 +68,10 @@ LABELS = {
     "dcp-thread": "DCP async_save (thread)",
     "dcp-process": "DCP async_save (process)",
     "olmo": "OLMo-core save_async",
+    "torch-checkpointing": "torch_checkpointing (no fsync)",
 }
-PEERS = ("dcp-thread", "dcp-process", "olmo")
+PEERS = ("dcp-thread", "dcp-process", "olmo", "torch-checkpointing")
+FLOORS = ("floor", "copy-floor")
 TRAINCKPT_MODES = {  # key: (overlap_staging, async_writer="process")
     "async": (False, False),
     "overlap": (True, False),
@@ -142,9 +155,11 @@ class Floor:
     writes them to one file with `write` + `fsync`: the least a background save can cost."""
 
     CODE = (
-        "import os,sys\n"
-        "src=open(sys.argv[1],'rb');buf=bytearray(os.fstat(src.fileno()).st_size)\n"
-        "src.readinto(buf);src.close();view=memoryview(buf);chunk=64<<20\n"
+        "import mmap,os,sys\n"
+        "src=open(sys.argv[1],'rb+');size=os.fstat(src.fileno()).st_size\n"
+        "if sys.argv[2]=='map': buf=mmap.mmap(src.fileno(),size)\n"
+        "else: buf=bytearray(size);src.readinto(buf);src.close()\n"
+        "view=memoryview(buf);chunk=64<<20\n"
         "print('ready',flush=True)\n"
         "for line in sys.stdin:\n"
         "    fd=os.open(line.strip(),os.O_WRONLY|os.O_CREAT|os.O_EXCL,0o644)\n"
@@ -160,7 +175,7 @@ class Floor:
             for t in _tensors(module.state_dict_to_save()):
                 f.write(memoryview(t.contiguous().numpy()).cast("B"))
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", self.CODE, str(source)],
+            [sys.executable, "-c", self.CODE, str(source), "own"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -197,6 +212,46 @@ class Floor:
         self.proc.wait(timeout=60)
 
 
+class CopyFloor(Floor):
+    """The copy floor: the training thread copies the state into shared memory (the call
+    blocks for that copy), then a separate, already running process that maps the same
+    memory writes it to one file with `write` + `fsync`."""
+
+    def __init__(self, module: ModelAndOptim, scratch: Path) -> None:
+        self.tensors = [t.detach().reshape(-1) for t in _tensors(module.state_dict_to_save())]
+        nbytes = sum(t.numel() * t.element_size() for t in self.tensors)
+        self.shm = Path("/dev/shm") / f"trainckpt-bench-copy-floor-{os.getpid()}"
+        with open(self.shm, "wb+") as f:
+            f.truncate(nbytes)
+            self.map = mmap.mmap(f.fileno(), nbytes)
+        self.buf = torch.frombuffer(self.map, dtype=torch.uint8)
+        self.buf.fill_(0)  # the pages exist before the first timed copy, as a pool's would
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", self.CODE, str(self.shm), "map"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("the copy floor's writer process did not start")
+        self.lock = threading.Lock()
+
+    def start(self, folder: Path) -> Save:
+        offset = 0
+        for t in self.tensors:
+            n = t.numel() * t.element_size()
+            self.buf[offset : offset + n].copy_(t.view(torch.uint8))
+            offset += n
+        return super().start(folder)
+
+    def close(self) -> None:
+        super().close()
+        del self.buf
+        self.map.close()
+        self.shm.unlink(missing_ok=True)
+
+
 def _tensors(state: Any) -> list[torch.Tensor]:
     return [t for _, t in state_tensors(state)]
 
@@ -210,8 +265,8 @@ def make_contenders(
     ckpt = CheckpointerConfig(work_dir=root / "work").build()
     writer: Checkpointer | None = None  # async_writer="process"
     for key in keys:
-        if key == "floor":
-            floor = Floor(module, root)
+        if key in FLOORS:
+            floor = Floor(module, root) if key == "floor" else CopyFloor(module, root)
             contenders.append(Contender(key, floor.start, floor.close, floor.pids))
         elif key in TRAINCKPT_MODES:
             overlap, process = TRAINCKPT_MODES[key]
@@ -246,6 +301,20 @@ def make_contenders(
                 notes.append("OLMo-core not installed (pip install trainckpt[bench]): skipped")
                 continue
             contenders.append(Contender(key, _olmo_start(module, root, group)))
+        elif key == "torch-checkpointing":
+            try:
+                import torch_checkpointing  # noqa: F401
+            except ImportError:
+                notes.append(
+                    "torch_checkpointing not installed (pip install trainckpt[bench]): skipped"
+                )
+                continue
+            start, close = _torch_checkpointing(module)
+            contenders.append(Contender(key, start, close))
+            notes.append(
+                "torch_checkpointing does not fsync: its times leave out making the bytes "
+                "durable, which every other contender pays"
+            )
     return contenders, notes
 
 
@@ -269,6 +338,36 @@ def _olmo_start(module: ModelAndOptim, root: Path, group: Any) -> Callable[[Path
         return save
 
     return start
+
+
+def _torch_checkpointing(
+    module: ModelAndOptim,
+) -> tuple[Callable[[Path], Save], Callable[[], None]]:
+    """PyTorch's `torch_checkpointing` with an async saver (a writer process of its own), with
+    pinned memory and direct I/O off, as it needs on CPU (it pins through CUDA)."""
+    import torch_checkpointing as tc
+    from torch_checkpointing.checkpoint_process import CheckpointProcessConfig
+    from torch_checkpointing.staging import CheckpointStagerConfig
+    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+
+    manager = tc.CheckpointManager.Config(
+        save=tc.AsyncCheckpointSaverConfig(
+            staging_config=CheckpointStagerConfig(
+                use_pinned_memory=False, use_non_blocking_copy=False
+            ),
+            process_config=CheckpointProcessConfig(subprocess_init_timeout_secs=600),
+        ),
+        storage_config=LocalFileSystemStorageConfig(use_direct_io=False),
+    ).build()
+
+    def start(folder: Path) -> Save:
+        save = Save()
+        future = manager.save(str(folder), module.state_dict_to_save())
+        assert future is not None
+        save.follow(future)
+        return save
+
+    return start, manager.close
 
 
 def _dcp_start(module: ModelAndOptim, process: bool, group: Any) -> Callable[[Path], Save]:
@@ -404,9 +503,11 @@ def results(samples: dict[str, list[Sample]]) -> dict[str, dict[str, Any]]:
 
 
 def table(res: dict[str, dict[str, Any]]) -> str:
-    """Medians (min–max) per contender, with the lost time relative to the floor and the best
-    peer."""
-    floor = res.get(LABELS["floor"], {}).get("lost_s", {}).get("median")
+    """Medians (min–max) per contender, with the lost time relative to the copy floor (the
+    plain floor when the copy floor did not run) and the best peer."""
+    floor = next(
+        (res[LABELS[k]]["lost_s"]["median"] for k in reversed(FLOORS) if LABELS[k] in res), None
+    )
     peers = [res[LABELS[k]]["lost_s"]["median"] for k in PEERS if LABELS[k] in res]
     best_peer = min(peers) if peers else None
 

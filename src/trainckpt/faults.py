@@ -32,8 +32,10 @@ LOCAL_POINTS = (  # the node-local tier (core/local_tier.py)
     "local-replicating",  # the first chunk of every replica (and restore copy) went out
     "local-between-phases",  # every part and replica durable and agreed, no commit marker yet
     "local-cleanup",  # retention removed an old step's commit markers, not its parts yet
+    "local-restore-checked",  # a restore's copy of this rank's part is checked, not loaded yet
 )
-"""Points of the node-local tier's save (`local-cleanup`: only when a step is deleted)."""
+"""Points of the node-local tier's save and restore (`local-cleanup`: only when a step is
+deleted; `local-restore-checked`: in restores)."""
 
 REPLACE_POINTS = (  # only saves that replace an old folder of their step (core/commit.py)
     "replacing",  # rank 0, the old folder moved aside to `<dir>-replaced`, `-tmp` not renamed

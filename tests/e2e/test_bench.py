@@ -43,11 +43,16 @@ def test_bench_runs_and_prints_its_table(tmp_path: Path) -> None:
         "trainckpt save_async(overlap)",
         "DCP async_save (process)",
         "OLMo-core save_async",
-        "target trainckpt save_async: training lost / floor's",
+        "copy floor: shm copy+process write",
+        "torch_checkpointing (no fsync)",
+        "target trainckpt save_async: training lost / copy floor",
         "local save_local blocked (rf=2)",
         "local save_local committed (rf=2)",
         "local load_local from the peer (rank 0's disk wiped)",
         "target local replication",
+        "target local save_local committed (rf=1)",
+        "local process-group transfer of the replica's bytes",
+        "local phase (rf=2): send wait",
     ):
         assert row in run.stdout, row
     report = json.loads(out.read_text())
@@ -57,7 +62,8 @@ def test_bench_runs_and_prints_its_table(tmp_path: Path) -> None:
     assert report["gcs"]["latest_checkpoint"]["trainckpt"]["requests"] >= 1
     assert all(s > 0 for s in report["local"]["medians"].values())
     training = report["training"]["results"]
-    assert len(training) == 8  # the floor, four trainckpt modes, DCP thread and process, OLMo-core
+    assert len(training) == 10  # 2 floors, 4 trainckpt modes, DCP thread and process, OLMo-core,
+    # torch_checkpointing
     for name, r in training.items():
         assert r["steps_during"]["min"] >= 1, name  # training went on during every save
         assert 0 < r["committed_s"]["min"] <= r["committed_s"]["max"], name

@@ -54,8 +54,17 @@ def expected_digest(rank: int, step: int, attempt: int = 0) -> str:
 
 
 def _checkpointer(local: str) -> Checkpointer:
+    """The checkpointer of a scenario (`LOCAL_RF`, `LOCAL_JUMP`: its replication settings)."""
+    replication = {
+        key: int(os.environ[var])
+        for key, var in (("replication_factor", "LOCAL_RF"), ("replication_jump", "LOCAL_JUMP"))
+        if var in os.environ
+    }
     return CheckpointerConfig(
-        local_dir=local, work_dir=f"/tmp/trainckpt-w{dist.get_rank()}", collective_timeout=20
+        local_dir=local,
+        work_dir=f"/tmp/trainckpt-w{dist.get_rank()}",
+        collective_timeout=20,
+        **replication,
     ).build()
 
 

@@ -16,8 +16,9 @@ from support.models import assert_same_state, fresh_module, make_module
 
 from trainckpt import Checkpointer, CheckpointerConfig, CheckpointManager, CheckpointPolicy
 from trainckpt.errors import ConfigurationError, CorruptCheckpointError
+from trainckpt.faults import on_fault_point
 from trainckpt.format.local_layout import scan
-from trainckpt.storage.checksums import crc32c_bytes
+from trainckpt.storage.checksums import crc32c_bytes, crc32c_file
 
 
 def _ckpt(tmp_path: Path, **kw: object) -> Checkpointer:
@@ -126,6 +127,63 @@ def test_policy_saves_locally_between_save_folder_steps_and_resume_takes_the_new
         5,
         {"step": 5},
     )
+
+    (module_file,) = (tmp_path / "local").glob("step5/*/rank0/module.pt")
+    _flip_byte(module_file)  # same size: step 5 still counts, and fails its check when read
+    fresh = fresh_module()
+    driver = CheckpointManager(_ckpt(tmp_path), policy, tmp_path / "save")
+    assert driver.resume(fresh) == (4, {"step": 4})  # the save folder, not the local tier
+    assert_same_state(fresh, modules[4])
+    assert driver.resumed_from == str(tmp_path / "save" / "step4")
+
+
+def _flip_byte(path: Path) -> None:
+    """Flip one byte in the middle of `path` (inside the tensor data of a module file)."""
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0xFF]))
+
+
+def test_a_part_changed_on_disk_during_a_restore_loads_what_was_checked(tmp_path: Path):
+    """A byte of the part's module file flips after the restore checked the part and before
+    it is loaded (the fault point between the two): what goes into the module is exactly
+    what was checked, the saved state (the restore loads its checked private copy)."""
+    ckpt = _ckpt(tmp_path)
+    saved = make_module(seed=1)
+    ckpt.save_local(1, saved, {"step": 1}).result()
+    (module_file,) = (tmp_path / "local").glob("step1/*/rank0/module.pt")
+    before = crc32c_file(module_file)
+    into = fresh_module()
+    with on_fault_point("local-restore-checked", lambda: _flip_byte(module_file)):
+        assert ckpt.load_local(1, into) == {"step": 1}
+    assert crc32c_file(module_file) != before  # the flip happened, during that load
+    assert_same_state(into, saved)
+    with pytest.raises(CorruptCheckpointError, match="no intact copy"):  # the next read sees it
+        ckpt.load_local(1, fresh_module())
+    assert list((tmp_path / "local").glob("**/*.tmp")) == []  # the private copy left nothing
+
+
+def test_retention_keeps_restorable_steps_not_one_that_lost_a_part(tmp_path: Path):
+    """With local_keep=2, step 2 loses a part and step 3 is saved: step 2 cannot be restored,
+    so it is deleted and step 1 kept; when step 3 is lost too, step 1 restores."""
+    ckpt = _ckpt(tmp_path, local_keep=2)
+    modules = {step: make_module(seed=step) for step in (1, 2, 3)}
+    for step in (1, 2):
+        ckpt.save_local(step, modules[step], {"step": step}).result()
+    for f in (tmp_path / "local").glob("step2/*/rank0/module.pt"):
+        f.unlink()
+    ckpt.save_local(3, modules[3], {"step": 3}).result()
+    assert ckpt.latest_local() == 3
+    assert sorted(p.name for p in (tmp_path / "local").glob("step*")) == ["step1", "step3"]
+    for f in (tmp_path / "local").glob("step3/*/rank0/train.pt"):
+        f.unlink()
+    assert ckpt.latest_local() == 1
+    into = fresh_module()
+    assert ckpt.load_local(1, into) == {"step": 1}
+    assert_same_state(into, modules[1])
+    ckpt.close()
 
 
 def test_a_local_interval_without_a_local_dir_is_refused(tmp_path: Path):

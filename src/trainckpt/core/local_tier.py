@@ -11,36 +11,42 @@ Save (all ranks, the checkpointer's CPU group; the layout is `format/local_layou
    ranks agree that every part and replica is durable and intact (phase 1).
 3. Only then each rank writes its commit marker naming step, attempt and the parts it holds
    (phase 2), and the ranks agree again: the save is committed.
-4. One rank per disk deletes steps beyond `keep`, markers first.
+4. The ranks count the steps they can restore (the coverage vote); one rank per disk then
+   deletes the steps beyond the `keep` newest restorable ones, markers first. A step that lost
+   a part never displaces a restorable one.
 
 Restore: every rank reports what its disk holds; the newest (step, attempt) whose every owner
-rank's part is held by some live rank wins, the same answer everywhere. Each rank reads its own
-part from its disk when present and intact (CRC32C-checked in chunks), otherwise receives it
-from a holder on another disk into a scratch folder on its own disk (every byte checked as it
-is written); the module file is then memory-mapped, so no rank holds a whole part in memory
-besides the module it loads into. A bad copy falls back to the next holder, and a step that
-cannot be assembled to an older one (`restore_latest`). Parts are found by owner rank, never by
-node: ranks that restart on other nodes still restore. Nothing read is ever unpickled but by
-`load_torch_plain`.
+rank's part is held by some live rank wins, the same answer everywhere. Each rank copies its
+own part from its disk, or else receives it from a holder on another disk, into a private
+file on its own disk (`storage/private_file.py`: no name, no other process can open it),
+computing the CRC32C of exactly the bytes it writes there; only a copy that matches the
+record is loaded, and what is loaded is that copy (check what you copy: a part changed on
+disk meanwhile changes nothing loaded). The module file is memory-mapped from the copy, so no
+rank holds a whole part in memory besides the module it loads into. A bad copy falls back to
+the next holder, and a step that cannot be assembled to an older one (`restore_latest`).
+Parts are found by owner rank, never by node: ranks that restart on other nodes still
+restore. Nothing read is ever unpickled but by `load_torch_plain`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import pickle
 import shutil
 import time
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import google_crc32c
 import torch
 
 from trainckpt.core import dist
-from trainckpt.core.local_transfer import Sink, Transfer, exchange
+from trainckpt.core.local_transfer import PhaseClock, Sink, Transfer, exchange
 from trainckpt.core.staging import dtensor_type
 from trainckpt.errors import (
     CheckpointError,
@@ -56,22 +62,23 @@ from trainckpt.format.local_layout import (
     Holding,
     LocalCommit,
     LocalPart,
+    attempt_dir,
     commit_file,
     new_attempt_id,
     part_dir,
     read_local_record,
     read_node_id,
-    restore_dir,
     scan,
     step_dirs,
     write_local_record,
 )
 from trainckpt.format.safe_unpickle import load_torch_plain
 from trainckpt.format.trainer_state import deserialize_trainer_state
-from trainckpt.storage.checksummed_file import ChecksummedWriter, checksummed_file
-from trainckpt.storage.checksums import FileEntry, crc32c_file
+from trainckpt.storage.checksummed_file import ChecksummedWriter
+from trainckpt.storage.checksums import FileEntry
 from trainckpt.storage.direct_file import DirectWriter, direct_file
 from trainckpt.storage.local import fsync_dir, writing
+from trainckpt.storage.private_file import PrivateFile
 
 log = logging.getLogger(__name__)
 
@@ -140,21 +147,24 @@ class LocalTier:
     def save(self, step: int, state: dict[str, Any], trainer_bytes: bytes) -> str:
         """Save and commit this rank's part of `step` (a staged state dict and serialized
         trainer state); return the attempt id. Raises on every rank if any rank failed; a
-        failed save leaves nothing that counts. Called on: all ranks (background thread)."""
+        failed save leaves nothing that counts. The log line names the time of every phase
+        (`PHASES`). Called on: all ranks (background thread)."""
         start = time.perf_counter()
+        clock = PhaseClock()
         self.open()
         rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
-        attempt = dist.broadcast_object(new_attempt_id(), self.group)
+        with clock("agree"):
+            attempt = dist.broadcast_object(new_attempt_id(), self.group)
         what = f"local checkpoint step {step} (attempt {attempt}) under '{self.root}'"
         part: LocalPart | None = None
         error: Exception | None = None
         try:
-            part = self._write_own(step, attempt, state, trainer_bytes, world)
+            part = self._write_own(step, attempt, state, trainer_bytes, world, clock)
         except Exception as e:
             error = e
-        dist.agree(error, f"writing {what}", self.group)
-        parts: list[LocalPart] = dist.all_gather_object(part, self.group)  # type: ignore[arg-type]
-        written = time.perf_counter()
+        with clock("agree"):
+            dist.agree(error, f"writing {what}", self.group)
+            parts: list[LocalPart] = dist.all_gather_object(part, self.group)  # type: ignore[arg-type]
 
         transfers = [
             Transfer(src=owner, dst=h, owner=owner, size=parts[owner].size)
@@ -162,6 +172,7 @@ class LocalTier:
             for h in self.holders(owner)
         ]
         self._warn_thin_replication(transfers, world)
+        replication = time.perf_counter()
         failures = exchange(
             transfers,
             self.group,
@@ -169,59 +180,74 @@ class LocalTier:
             open_sink=lambda t: _PartWriter(
                 self.root, part_dir(self.root, step, attempt, t.owner), parts[t.owner]
             ),
+            clock=clock,
         )
-        dist.agree(_first_failure(failures, transfers, what), f"replicating {what}", self.group)
-        replicated = time.perf_counter()
+        with clock("agree"):
+            dist.agree(_first_failure(failures, transfers, what), f"replicating {what}", self.group)
+        replication = time.perf_counter() - replication
 
         fault_point("local-between-phases")
         held = sorted({rank, *(t.owner for t in transfers if t.dst == rank)})
         error = None
-        try:
-            marker = LocalCommit(
-                step=step, attempt=attempt, world_size=world, holder=rank, parts=held
-            )
-            write_local_record(commit_file(self.root, step, attempt, rank), marker)
-        except Exception as e:
-            error = e
-        dist.agree(error, f"committing {what}", self.group)
-        phases = {
-            "written": written - start,
-            "replicated": replicated - written,
-            "marked": time.perf_counter() - replicated,
-        }
+        with clock("marker"):
+            try:
+                marker = LocalCommit(
+                    step=step, attempt=attempt, world_size=world, holder=rank, parts=held
+                )
+                write_local_record(commit_file(self.root, step, attempt, rank), marker)
+            except Exception as e:
+                error = e
+        with clock("agree"):
+            dist.agree(error, f"committing {what}", self.group)
+        committed = time.perf_counter() - start
+        phases = {name: clock.seconds.get(name, 0.0) for name in PHASES}
         log.info(
             "committed local checkpoint step %d (attempt %s, %d bytes own part, %d replicas "
-            "held) in %.2fs: written %.2fs, replicated %.2fs, marked %.2fs",
+            "held) in %.2fs: %s",
             step,
             attempt,
             parts[rank].size,
             len(held) - 1,
-            time.perf_counter() - start,
-            *phases.values(),
-            extra={"local_save_seconds": phases},  # for tools (scripts/bench_local.py)
+            committed,
+            ", ".join(f"{k} {v:.3f}s" for k, v in phases.items()),
+            extra={  # for tools (scripts/bench_local.py)
+                "local_save_seconds": {
+                    "committed": committed,
+                    "replication": replication,
+                    **phases,
+                }
+            },
         )
+        restorable = {s for s, _a in self.covered()}
         if self._is_disk_leader():
-            self._retain(step)
+            self._retain(step, restorable)
         return attempt
 
     def _write_own(
-        self, step: int, attempt: str, state: dict[str, Any], trainer_bytes: bytes, world: int
+        self,
+        step: int,
+        attempt: str,
+        state: dict[str, Any],
+        trainer_bytes: bytes,
+        world: int,
+        clock: PhaseClock,
     ) -> LocalPart:
         rank = dist.get_rank(self.group)
         folder = part_dir(self.root, step, attempt, rank)
         with writing(folder):
             folder.mkdir(parents=True)
         files: dict[str, FileEntry] = {}
-        with checksummed_file(folder / MODULE_FILE) as w:
-            torch.save(_local_view(state), w)  # type: ignore[arg-type]  # a write-only file
+        with _timed_file(folder / MODULE_FILE, clock) as w:
+            _torch_save_without_zip_crc(_local_view(state), w)
         files[MODULE_FILE] = w.entry()
         fault_point("local-writing")
-        with checksummed_file(folder / TRAIN_FILE) as w:
+        with _timed_file(folder / TRAIN_FILE, clock) as w:
             w.write(trainer_bytes)
         files[TRAIN_FILE] = w.entry()
         part = LocalPart(step=step, attempt=attempt, owner=rank, world_size=world, files=files)
-        write_local_record(folder / PART_FILE, part)
-        _fsync_up_to(folder, self.root)
+        with clock("fsync"):
+            write_local_record(folder / PART_FILE, part)
+            _fsync_up_to(folder, self.root)
         return part
 
     def _warn_thin_replication(self, transfers: list[Transfer], world: int) -> None:
@@ -241,18 +267,30 @@ class LocalTier:
                 len(set(self._disks)),
             )
 
-    def _retain(self, committed: int) -> None:
-        """Keep the step just committed and the `keep - 1` newest other committed steps on
-        this disk; delete the rest, commit markers first (a crash midway leaves parts that no
-        longer count, never a step that counts but is incomplete). Called on: one rank per
-        disk, after a save committed on every rank."""
+    def _retain(self, committed: int, restorable: set[int]) -> None:
+        """Keep the step just committed and the `keep - 1` newest other steps that the job can
+        restore (`restorable`: every rank's part has a copy the coverage vote counts, the same
+        test a restore uses); delete the rest, commit markers first (a crash midway leaves
+        parts that no longer count, never a step that counts but is incomplete). A step that
+        lost a part is deleted and never displaces an older restorable one. Called on: one
+        rank per disk, after a save committed on every rank."""
         for item in scan(self.root)[1]:  # what failed saves of older steps left
             if item.step < committed:
                 log.info("local tier: deleting '%s' (%s)", item.path, item.why)
                 _remove_quietly(item.path)
         _remove_empty_steps(self.root)
-        steps = [(s, d) for s, d in step_dirs(self.root) if s != committed and _markers(d)]
-        for step, folder in steps[: max(0, len(steps) - (self.keep - 1))]:
+        others = [(s, d) for s, d in step_dirs(self.root) if s != committed and _markers(d)]
+        kept = [s for s, _d in others if s in restorable][::-1][: self.keep - 1]
+        for step, folder in others:
+            if step in kept:
+                continue
+            if step not in restorable:
+                log.warning(
+                    "local tier: deleting step %d ('%s'): this job cannot restore it (a rank's "
+                    "part has no copy left, or another world size saved it)",
+                    step,
+                    folder,
+                )
             start = time.perf_counter()
             try:
                 for marker in _markers(folder):
@@ -331,26 +369,23 @@ class LocalTier:
             )
         attempt = attempts[0]
         own = part_dir(self.root, step, attempt, rank)
-        got: tuple[Path, LocalPart] | None = None
-        try:
-            got = own, _check_folder(own)
-        except FileNotFoundError:
-            log.info("local tier: rank %d's part of step %d is not on this disk", rank, step)
-        except Exception as e:  # any failure of this rank's read: the others go on below
-            log.warning("local tier: own copy of rank %d's part is unusable: %s", rank, e)
         error: Exception | None = None
         state: dict[str, Any] = {}
         trainer: dict[str, Any] = {}
-        try:
-            folder, part = self._receive_missing(step, attempt, got)
+        with ExitStack() as files:  # the private copies; a mapping of them outlives this
+            got: _PrivateCopy | None = None
             try:
-                state, trainer = _load_part(folder, part)
+                got = _copy_own(own, files)
+            except FileNotFoundError:
+                log.info("local tier: rank %d's part of step %d is not on this disk", rank, step)
+            except Exception as e:  # any failure of this rank's read: the others go on below
+                log.warning("local tier: own copy of rank %d's part is unusable: %s", rank, e)
+            copy = self._receive_missing(step, attempt, got, files)
+            fault_point("local-restore-checked")
+            try:
+                state, trainer = _load_part(copy)
             except Exception as e:
                 error = e
-        finally:  # a received copy is only read once; its mapped pages stay readable
-            scratch = restore_dir(self.root, step, attempt, rank)
-            if scratch.exists():
-                _remove_quietly(scratch)
         _agree_corrupt(error, f"reading local checkpoint step {step}", self.group)
         log.info(
             "restored rank %d's part of local checkpoint step %d (attempt %s) in %.2fs",
@@ -376,17 +411,17 @@ class LocalTier:
         return None
 
     def _receive_missing(
-        self, step: int, attempt: str, got: tuple[Path, LocalPart] | None
-    ) -> tuple[Path, LocalPart]:
-        """The folder (and record) to load this rank's part from: `got`, the own copy checked
-        intact, or else a copy received from a holder on another disk into `restore_dir` (in
-        chunks, every byte CRC32C-checked against the holder's record as it is written; memory
-        is the transfer's chunk buffers, not the part). One holder per round until every
-        rank's part is intact or some part has no holder left. Called on: all ranks."""
+        self, step: int, attempt: str, got: _PrivateCopy | None, files: ExitStack
+    ) -> _PrivateCopy:
+        """The checked private copy of this rank's part to load: `got`, made from the own copy,
+        or else one received from a holder on another disk (in chunks, every byte CRC32C-checked
+        against the holder's record as it is written; memory is the transfer's chunk buffers,
+        not the part). One holder per round until every rank's part is intact or some part has
+        no holder left. The copies are closed with `files`. Called on: all ranks."""
         rank = dist.get_rank(self.group)
         records = self._part_records(step, attempt)
         tried: dict[int, set[int]] = {}
-        scratch = restore_dir(self.root, step, attempt, rank)
+        sinks: dict[int, _PrivateCopy] = {}  # this round's copy by holder it comes from
         while True:
             need = dist.all_gather_object(got is None, self.group)
             needy = [r for r, n in enumerate(need) if n]
@@ -413,12 +448,17 @@ class LocalTier:
                     f"intact copy left of the parts of ranks {lost} (see the warnings above); "
                     "an older step or the save folder must be used"
                 )
+            sinks.clear()
 
             def open_sink(t: Transfer) -> Sink:
-                if scratch.exists():  # what a failed copy (or a crashed restore) left
-                    _remove(scratch)
                 expected = next(p for h, p in records[t.owner] if h == t.src)
-                return _PartWriter(self.root, scratch, expected, durable=False)
+                folder = attempt_dir(self.root, step, attempt)  # gone with a wiped disk
+                with writing(folder):
+                    folder.mkdir(parents=True, exist_ok=True)
+                source = part_dir(self.root, step, attempt, t.owner)
+                sink = _PrivateCopy(folder, expected, f"rank {t.src}'s '{source}'")
+                sinks[t.src] = files.enter_context(sink)
+                return sink
 
             failures = exchange(
                 transfers,
@@ -437,9 +477,13 @@ class LocalTier:
                     e,
                 )
             for i, t in enumerate(transfers):
-                if t.dst == rank and i not in failures:
-                    got = scratch, next(p for h, p in records[t.owner] if h == t.src)
-                    log.info("local tier: received rank %d's part from rank %d", rank, t.src)
+                if t.dst == rank:
+                    if i in failures:
+                        if t.src in sinks:
+                            sinks[t.src].drop()
+                    else:
+                        got = sinks[t.src]
+                        log.info("local tier: received rank %d's part from rank %d", rank, t.src)
 
     def _part_records(self, step: int, attempt: str) -> dict[int, list[tuple[int, LocalPart]]]:
         """Each owner's holders of `step`/`attempt` with the `part.json` each holds, in rank
@@ -460,6 +504,84 @@ class LocalTier:
                     disks_seen[p.owner].add(self._disks[holder])
                     out.setdefault(p.owner, []).append((holder, p))
         return out
+
+
+PHASES = (
+    "serialize",
+    "crc",
+    "write",
+    "fsync",
+    "agree",
+    "send read",
+    "send wait",
+    "receive wait",
+    "receive write",
+    "receive close",
+    "marker",
+)
+"""The phases of a local save, as its log line and `local_save_seconds` name them: own part
+(`serialize`: torch.save's own work; `crc`; `write`: into the page cache; `fsync`: the files,
+`part.json` and folders), `agree` (the collectives of the two phases), replication (see
+`exchange`), and the commit `marker`. Retention runs after the commit and the log line (its
+own log lines time it)."""
+
+
+_WRITE_BUFFER = 1 << 20
+"""Buffer of the own part's files (torch.save's small header writes; large ones pass)."""
+
+
+class _TimedWriter(ChecksummedWriter):
+    """A `ChecksummedWriter` that books its time: `crc` (its own work) and `write` (the
+    file's, through `_TimedFile`); `serialize` is what the caller spends between writes."""
+
+    def __init__(self, f: _TimedFile, clock: PhaseClock) -> None:
+        super().__init__(f)
+        self._clock = clock
+        self._timed_file = f
+        self.crc_seconds = 0.0
+
+    def write(self, data: Any) -> int:
+        start, written = time.perf_counter(), self._timed_file.seconds
+        n = super().write(data)
+        crc = time.perf_counter() - start - (self._timed_file.seconds - written)
+        self.crc_seconds += crc
+        self._clock.add("crc", crc)
+        return n
+
+
+class _TimedFile:
+    """A file whose writes are timed (`seconds`, and the clock's `write`)."""
+
+    def __init__(self, f: Any, clock: PhaseClock) -> None:
+        self._f, self._clock, self.seconds = f, clock, 0.0
+
+    def write(self, data: Any) -> int:
+        start = time.perf_counter()
+        n: int = self._f.write(data)
+        spent = time.perf_counter() - start
+        self.seconds += spent
+        self._clock.add("write", spent)
+        return n
+
+    def flush(self) -> None:
+        with self._clock("write"):
+            self._f.flush()
+
+
+@contextmanager
+def _timed_file(path: Path, clock: PhaseClock) -> Iterator[ChecksummedWriter]:
+    """`checksummed_file` with its time booked into `clock` (`serialize`, `crc`, `write`,
+    `fsync`)."""
+    start = time.perf_counter()
+    with writing(path), open(path, "xb", buffering=_WRITE_BUFFER) as f:
+        timed = _TimedFile(f, clock)
+        w = _TimedWriter(timed, clock)
+        yield w
+        timed.flush()
+        booked = time.perf_counter() - start
+        with clock("fsync"):
+            os.fsync(f.fileno())
+    clock.add("serialize", booked - timed.seconds - w.crc_seconds)
 
 
 class _PartReader:
@@ -533,34 +655,27 @@ class _Splitter:
 
 
 class _PartWriter:
-    """A part received from a holder, each file's CRC32C computed from the bytes as they
-    arrive and checked against the sender's record at the end. `durable`: a replica (files
-    written past the page cache and fsynced, then the record written last and the folders
-    fsynced); else a copy to restore from at once (through the page cache, no fsync, no
-    record: it is read right after and deleted)."""
+    """A replica received from a holder: its files written past the page cache where the disk
+    allows (`direct_file`) and fsynced, each file's CRC32C computed from the bytes as they
+    arrive and checked against the owner's record at the end, then the record written last and
+    the folders fsynced."""
 
-    def __init__(self, root: Path, folder: Path, part: LocalPart, *, durable: bool = True) -> None:
+    def __init__(self, root: Path, folder: Path, part: LocalPart) -> None:
         self._root, self._folder, self._split = root, folder, _Splitter(part)
-        self._durable = durable
         with writing(folder):
             folder.mkdir(parents=True)
         self._stack = ExitStack()
-        self._writer: DirectWriter | ChecksummedWriter | None = None
+        self._writer: DirectWriter | None = None
         self._entries: dict[str, FileEntry] = {}
 
     def write(self, data: memoryview) -> None:
         for name, piece, done in self._split.pieces(data):
             writer = self._writer
             if writer is None:
-                path = self._folder / name
-                if self._durable:
-                    writer = self._stack.enter_context(direct_file(path))
-                else:
-                    writer = self._stack.enter_context(checksummed_file(path, fsync=False))
-                self._writer = writer
+                writer = self._writer = self._stack.enter_context(direct_file(self._folder / name))
             writer.write(piece)
             if done:
-                self._stack.close()  # the tail written (and fsynced when durable)
+                self._stack.close()  # the tail written and fsynced
                 self._entries[name] = writer.entry()
                 self._writer = None
 
@@ -571,35 +686,91 @@ class _PartWriter:
         part = self._split.part
         for name in PART_FILES:
             _check_entry(self._entries.get(name), part.files[name], str(self._folder / name))
-        if self._durable:
-            write_local_record(self._folder / PART_FILE, part)
-            _fsync_up_to(self._folder, self._root)
+        write_local_record(self._folder / PART_FILE, part)
+        _fsync_up_to(self._folder, self._root)
 
 
-def _check_folder(folder: Path) -> LocalPart:
-    """The record of the part in `folder`, after every file of it was read in chunks and
-    matched its size and CRC32C (`CheckpointNotFoundError` when there is no part there)."""
+class _PrivateCopy:
+    """A part's files copied into private files (`storage/private_file.py`) in the attempt
+    folder, each file's CRC32C computed from exactly the bytes written into it and checked
+    against the part's record when the copy is closed. Loading from it loads what was checked,
+    whatever happens to the part's own files meanwhile (check what you copy). A sink of
+    `exchange` (a copy received from a holder), or filled from the own copy (`_copy_own`)."""
+
+    def __init__(self, folder: Path, part: LocalPart, source: str) -> None:
+        self.part, self._split = part, _Splitter(part)
+        self.source = source  # the part copied, for messages
+        owner = f"rank{part.owner}"
+        self.files = {
+            name: PrivateFile(folder, f"{owner}.{name}.restore.tmp") for name in PART_FILES
+        }
+        self.checked = False
+
+    def write(self, data: memoryview) -> None:
+        for name, piece, _done in self._split.pieces(data):
+            self.files[name].write(piece)
+
+    def close(self) -> None:
+        """Check every file against the record (`CorruptCheckpointError` naming it)."""
+        if self.checked:
+            return
+        for name in PART_FILES:
+            where = f"'{name}' of {self.source}, as copied for the restore"
+            _check_entry(self.files[name].entry(), self.part.files[name], where)
+        self.checked = True
+
+    def drop(self) -> None:
+        """Free the files (a failed copy)."""
+        for f in self.files.values():
+            f.close()
+
+    def __enter__(self) -> _PrivateCopy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.drop()
+
+
+_COPY_CHUNK = 8 << 20
+"""Bytes per read when copying the own part into its private copy."""
+
+
+def _copy_own(folder: Path, files: ExitStack) -> _PrivateCopy:
+    """A checked private copy of the part in `folder` (read in chunks of `_COPY_CHUNK`, each
+    CRC'd as it is written to the copy); `FileNotFoundError` when there is no part there, a
+    `CorruptCheckpointError` naming the file when a byte differs from the record. The copy is
+    closed with `files`."""
     if not (folder / PART_FILE).exists():
-        raise CheckpointNotFoundError(f"'{folder}' does not exist")
+        raise FileNotFoundError(folder / PART_FILE)
     part = read_local_record(folder / PART_FILE, LocalPart)
-    for name in PART_FILES:
-        _check_entry(crc32c_file(folder / name), part.files[name], str(folder / name))
-    return part
+    copy = files.enter_context(_PrivateCopy(folder.parent, part, f"'{folder}'"))
+    source = _PartReader(folder, part)
+    buf = memoryview(bytearray(min(_COPY_CHUNK, max(part.size, 1))))
+    try:
+        while got := source.readinto(buf):
+            copy.write(buf[:got])
+        copy.close()
+    except BaseException:
+        copy.drop()  # its disk space is free again at once
+        raise
+    finally:
+        source.close()
+    return copy
 
 
-def _load_part(folder: Path, part: LocalPart) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The module state and trainer state of a part whose files were checked: the module file
-    memory-mapped (its tensors are views of the file's pages, so a part of any size needs no
+def _load_part(copy: _PrivateCopy) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The module state and trainer state of a checked private copy: the module file
+    memory-mapped (its tensors are views of the copy's pages, so a part of any size needs no
     memory of its size until it is copied into the module), the small trainer file read and
     checked once more as the bytes that are unpickled."""
-    state = load_torch_plain(folder / MODULE_FILE, f"'{folder / MODULE_FILE}'")
+    where = f"'{MODULE_FILE}' of {copy.source}, as copied and checked"
+    state = load_torch_plain(Path(copy.files[MODULE_FILE].path), where)
     if not isinstance(state, dict):
-        raise CorruptCheckpointError(f"'{folder / MODULE_FILE}' holds no state dict")
-    entry = part.files[TRAIN_FILE]
-    with open(folder / TRAIN_FILE, "rb") as f:
-        data = f.read(entry.size + 1)
-    _check(data, entry, str(folder / TRAIN_FILE))
-    return state, deserialize_trainer_state(data, str(folder / TRAIN_FILE))
+        raise CorruptCheckpointError(f"{where} holds no state dict")
+    data = copy.files[TRAIN_FILE].read_all()
+    train_where = f"'{TRAIN_FILE}' of {copy.source}, as copied and checked"
+    _check(data, copy.part.files[TRAIN_FILE], train_where)
+    return state, deserialize_trainer_state(data, train_where)
 
 
 def _check(data: bytes, entry: FileEntry, where: str) -> None:
@@ -640,6 +811,26 @@ def _agree_corrupt(error: BaseException | None, what: str, group: Any) -> None:
     failed = [f"rank {r}: {m}" for r, m in enumerate(outcomes) if m is not None]
     if failed:
         raise CorruptCheckpointError(f"{what} failed: {'; '.join(failed)}") from error
+
+
+def _torch_save_without_zip_crc(obj: Any, f: ChecksummedWriter) -> None:
+    """`torch.save(obj, f)` without the CRC32 torch's zip writer computes of every record (a
+    second pass over every byte, about a third of the write's time). `torch.load` does not
+    need it, and the part's CRC32C covers every byte of the file. This goes through torch's
+    private `_save` (what `torch.save` runs with `set_crc32_options(False)`, which is
+    process-wide and would race with the training thread's own `torch.save` calls); a torch
+    without it gets a plain `torch.save`."""
+    serialization: Any = torch.serialization
+    try:
+        writer = torch._C.PyTorchFileWriter(
+            cast(Any, f), False, serialization._get_storage_alignment()
+        )
+        save = serialization._save
+    except (AttributeError, TypeError):
+        torch.save(obj, f)  # type: ignore[arg-type]  # a write-only file
+        return
+    save(obj, writer, pickle, serialization.DEFAULT_PROTOCOL, False)
+    writer.write_end_of_file()
 
 
 def _local_view(state: Any) -> Any:

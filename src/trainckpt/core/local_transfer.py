@@ -24,8 +24,9 @@ from __future__ import annotations
 import logging
 import mmap
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -41,6 +42,26 @@ CHUNK = 16 << 20
 
 DEPTH = 2
 """Chunks in flight per transfer on each side (buffers of `CHUNK` bytes each)."""
+
+
+@dataclass
+class PhaseClock:
+    """Seconds spent per named phase of one save on one rank (summed over calls): what the
+    save's log line and `scripts/bench_local.py` report."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        """Time the block as phase `name`."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - start)
 
 
 @dataclass(frozen=True)
@@ -75,10 +96,14 @@ def exchange(
     *,
     chunk: int = CHUNK,
     depth: int = DEPTH,
+    clock: PhaseClock | None = None,
 ) -> dict[int, BaseException]:
     """Run `transfers`; return this rank's failures by transfer index (an empty dict: every
     transfer this rank sent or received went through its source and sink without error —
-    the receiver still checks the CRC32C). A dead peer raises `RankFailedError`.
+    the receiver still checks the CRC32C). A dead peer raises `RankFailedError`. `clock`
+    gets this rank's time reading sources (`send read`), waiting for sends to leave
+    (`send wait`), waiting for chunks to arrive (`receive wait`), and in sinks (`receive
+    write`, and `receive close`: a replica's tail, fsync and record).
 
     Called on: all ranks of `group`, with the same `transfers`."""
     if chunk < 1 or depth < 1:
@@ -89,9 +114,10 @@ def exchange(
     ends: list[_End] = []
     for i, t in enumerate(transfers):
         if t.src == rank:
-            ends.append(_Outgoing(i, t, _open(open_source, t, i, errors), group, chunk, depth))
+            source = _open(open_source, t, i, errors)
+            ends.append(_Outgoing(i, t, source, group, chunk, depth, clock))
         if t.dst == rank:
-            ends.append(_Incoming(i, t, _open(open_sink, t, i, errors), group, chunk, depth))
+            ends.append(_Incoming(i, t, _open(open_sink, t, i, errors), group, chunk, depth, clock))
     # receives first: they cost nothing to post, and the senders' first chunks can land at once
     ends.sort(key=lambda e: isinstance(e, _Outgoing))
     chunks = max((e.chunks for e in ends), default=0)
@@ -131,9 +157,11 @@ class _End:
         group: dist.ProcessGroup | None,
         chunk: int,
         depth: int,
+        clock: PhaseClock | None,
     ) -> None:
         self.i, self.t, self.stream, self.group = i, t, stream, group
         self.chunk, self.depth = chunk, depth
+        self.clock = clock or PhaseClock()
         self.chunks = -(-t.size // chunk)
         self.bufs = [_page_aligned(min(chunk, t.size)) for _ in range(min(depth, self.chunks))]
         self.works: dict[int, Any] = {}
@@ -160,7 +188,8 @@ class _End:
         through its gloo work, so nothing is freed under it)."""
         if self.stream is not None:
             try:
-                self.stream.close()
+                with self.clock("receive close" if isinstance(self, _Incoming) else "send read"):
+                    self.stream.close()
             except Exception as e:
                 errors.setdefault(self.i, e)
             self.stream = None
@@ -174,7 +203,8 @@ class _Outgoing(_End):
         buf = self.view(c)
         if self.stream is not None:
             try:
-                got = self.stream.readinto(buf.numpy().data)
+                with self.clock("send read"):
+                    got = self.stream.readinto(buf.numpy().data)
                 if got != len(buf):
                     raise EOFError(f"expected {len(buf)} more bytes, the file ended after {got}")
             except Exception as e:
@@ -189,7 +219,8 @@ class _Outgoing(_End):
         """Wait until chunk `c` has left its buffer."""
         work = self.works.pop(c, None)
         if work is not None:
-            work.wait()
+            with self.clock("send wait"):
+                work.wait()
 
 
 class _Incoming(_End):
@@ -205,10 +236,12 @@ class _Incoming(_End):
         work = self.works.pop(c, None)
         if work is None:
             return
-        work.wait()
+        with self.clock("receive wait"):
+            work.wait()
         if self.stream is not None:
             try:
-                self.stream.write(self.view(c).numpy().data)
+                with self.clock("receive write"):
+                    self.stream.write(self.view(c).numpy().data)
             except Exception as e:  # keep receiving: every chunk must still be matched
                 errors[self.i] = e
                 _close_quietly(self.stream)

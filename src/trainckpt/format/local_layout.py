@@ -10,7 +10,8 @@
         train.pt                the rank's trainer state (torch.save of plain data)
         part.json               written last: owner, step, attempt, world size, size + CRC32C
       commit.rank{H}.json       phase-2 marker of holder rank H: the parts H holds here
-      rank{R}.restore.tmp/      while restoring: rank R's part received from a holder
+      rank{R}.{file}.restore.tmp  while restoring, only where the filesystem has no O_TMPFILE:
+                                a private copy's name for an instant (storage/private_file.py)
 ```
 
 A part counts only where a commit marker of its own attempt, in the same attempt folder, lists
@@ -71,12 +72,6 @@ def attempt_dir(root: Path, step: int, attempt: str) -> Path:
 
 def part_dir(root: Path, step: int, attempt: str, owner: int) -> Path:
     return attempt_dir(root, step, attempt) / f"rank{owner}"
-
-
-def restore_dir(root: Path, step: int, attempt: str, owner: int) -> Path:
-    """Where owner rank `owner` receives its part from a holder to restore it (a `.tmp` entry:
-    a leftover if a crash leaves it)."""
-    return attempt_dir(root, step, attempt) / f"rank{owner}.restore.tmp"
 
 
 def commit_file(root: Path, step: int, attempt: str, holder: int) -> Path:
