@@ -421,3 +421,20 @@ def test_crafted_data_loader_state_runs_no_code(kind, tmp_path):
     finally:
         ckpt.close()
     assert not marker.exists(), "code from the checkpoint ran"
+
+
+def test_save_figures_reach_torchtitans_metrics_once(tmp_path):
+    """`metrics()` hands each committed save's figures out once, in the form torchtitan's
+    `MetricsProcessor.log(..., extra_metrics=...)` takes."""
+    run = tr.build(4)
+    ckpt = tr.manager("trainckpt", run, tmp_path / "ckpt", interval=2, keep_latest_k=0)
+    try:
+        assert ckpt.metrics() == {}
+        tr.train(run, ckpt, stop=2)
+        ckpt.checkpointer.wait()
+        figures = ckpt.metrics()
+        assert figures["checkpoint/bytes"] > 0 and figures["checkpoint/files"] >= 2
+        assert all(isinstance(v, float | int) for v in figures.values())
+        assert ckpt.metrics() == {}  # the same save is not recorded twice
+    finally:
+        ckpt.close()

@@ -166,6 +166,19 @@ class TorchtitanCheckpointManager(BaseCheckpointManager):
         driver = getattr(self, "driver", None)
         return driver.in_flight if driver is not None else None
 
+    def metrics(self) -> dict[str, float]:
+        """The figures of the last save committed since the previous call (`SaveReport.metrics`:
+        `checkpoint/blocked_s`, `checkpoint/writing_s`, ..., `checkpoint/bytes`), else {}: each
+        save's figures are handed out once. Pass them to torchtitan's metrics, e.g.
+        `metrics_processor.log(step, loss, max_loss, grad_norm, extra_metrics=ckpt.metrics())`,
+        to see checkpoint cost on the dashboard beside loss and throughput. Called on: any rank
+        (its own part)."""
+        report = self.checkpointer.last_save_report
+        if report is None or report is getattr(self, "_reported", None):
+            return {}
+        self._reported = report
+        return report.metrics()
+
     # -- saving ---------------------------------------------------------------------------------
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         if self.config.load_only:
