@@ -32,6 +32,11 @@ def make_module(size_mb: float, seed: int = 0) -> ModelAndOptim:
     layers = max(1, round(n_params / (width * width)))
     torch.manual_seed(seed)
     model = torch.nn.Sequential(*(torch.nn.Linear(width, width, bias=False) for _ in range(layers)))
+    return after_one_step(model)
+
+
+def after_one_step(model: torch.nn.Module) -> ModelAndOptim:
+    """`model` with AdamW state, after one real optimizer step (so the moments exist)."""
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for p in model.parameters():
         p.grad = torch.full_like(p, 1e-3)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import Timer, fingerprint, zero_state  # noqa: E402
+from bench_common import Timer, after_one_step, fingerprint, zero_state  # noqa: E402
 
 from trainckpt import Checkpointer, CheckpointerConfig, ModelAndOptim  # noqa: E402
 
@@ -53,12 +53,7 @@ def make_moe(entries: int, seed: int = 0) -> ModelAndOptim:
     model = torch.nn.ModuleList(
         torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(EXPERTS)) for _ in range(layers)
     )
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for p in model.parameters():
-        p.grad = torch.full_like(p, 1e-3)
-    optim.step()
-    optim.zero_grad(set_to_none=True)
-    return ModelAndOptim(model, optim)
+    return after_one_step(model)
 
 
 def entry_count(module: ModelAndOptim) -> int:

@@ -19,13 +19,7 @@ def test_bench_runs_and_prints_its_table(tmp_path: Path) -> None:
     args = ["--size-mb", "8", "--repeats", "1", "--import-repeats", "1"]
     args += ["--gcs-size-mb", "4", "--gcs-checkpoints", "5", "--dir", str(tmp_path)]
     args += ["--train-size-mb", "4", "--local-size-mb", "4", "--json", str(out)]
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = _bench(args)
     for row in (
         "raw write+fsync",
         "raw read",
@@ -77,13 +71,7 @@ def test_bench_scale_runs_and_prints_its_tables(tmp_path: Path) -> None:
     out = tmp_path / "scale.json"
     args = ["--scale", "--scale-entries", "400", "--scale-ranks", "2,4", "--scale-tensors", "2"]
     args += ["--repeats", "1", "--dir", str(tmp_path), "--json", str(out)]
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = _bench(args)
     scale = json.loads(out.read_text())["scale"]
     contenders = scale["entries"]["results"]
     assert {"trainckpt save", "trainckpt save_async", "plain DCP", "OLMo-core"} <= set(contenders)
@@ -99,3 +87,15 @@ def test_bench_scale_runs_and_prints_its_tables(tmp_path: Path) -> None:
         assert all(v["s"] > 0 and v["peak_mb"] > 0 for v in timed.values())
     assert "target simulated 4 ranks: rank 0 commit work" in run.stdout
     assert list(tmp_path.iterdir()) == [out]
+
+
+def _bench(args: list[str]) -> subprocess.CompletedProcess[str]:
+    """Run scripts/bench.py with `args`; it must exit 0."""
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
