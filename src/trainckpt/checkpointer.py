@@ -20,6 +20,7 @@ from trainckpt.core.commit import SaveRequest, delete_checkpoint, save_checkpoin
 from trainckpt.core.direct import saves_directly
 from trainckpt.core.futures import CallbacksFirstFuture
 from trainckpt.core.gc_pause import paused_gc
+from trainckpt.core.incremental import History
 from trainckpt.core.load import LoadRequest, load_checkpoint
 from trainckpt.core.local_tier import LocalTier, load_into
 from trainckpt.core.rank_write import ListedFiles, TrainingFiles
@@ -119,6 +120,8 @@ class Checkpointer:
         if self.async_writer == "process":
             self._writer_process().start()  # its start-up overlaps the trainer's
         self._lock = threading.Lock()
+        self._history = History()
+        """This rank's record of its last committed save, for incremental saves."""
         self._loaded: tuple[Storage, str, int] | None = None
         """(storage, folder, step) of the last checkpoint loaded, until the next save."""
         exit_guard.track(self)  # its own group is destroyed at exit if close() is not called
@@ -167,7 +170,8 @@ class Checkpointer:
         trainer_bytes, state = self._prepare(req.dir, train_module, train_state, stage=False)
         self._stager.wait_for_trainer(state)  # the writer threads read GPU state on their streams
         files = TimedFiles(self._training_files(req, train_module, trainer_bytes, state))
-        return self._saved(files.report(save_checkpoint(req, files), start, staged=start))
+        path = self._committed(req, save_checkpoint(req, files))
+        return self._saved(files.report(path, start, staged=start))
 
     def save_async(
         self,
@@ -230,7 +234,7 @@ class Checkpointer:
             files = TimedFiles(
                 self._training_files(req, train_module, trainer_bytes, staged, background=True)
             )
-            path = save_checkpoint(req, files)
+            path = self._committed(req, save_checkpoint(req, files))
             return self._saved(files.report(path, start, staged_at, prepared))
 
         return self._in_background(req.dir, run, staging)
@@ -454,7 +458,14 @@ class Checkpointer:
             group=self.process_group,
             thread_count=self.save_thread_count or _default_threads(),
             shard_writer=self._writer_process() if process else None,
+            history=self._history if self.incremental else None,
         )
+
+    def _committed(self, req: SaveRequest, path: str) -> str:
+        """The training save of `req` committed as `path`: the next incremental save compares
+        with it. Called on: all ranks, on the thread that ran the save."""
+        self._history.committed(req.storage, path)
+        return path
 
     def _saved(self, saved: SavedPath) -> SavedPath:
         """Keep and log the report of a committed save (`last_save_report`). Called on: all

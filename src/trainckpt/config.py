@@ -75,6 +75,12 @@ class CheckpointerConfig(BaseModel):
     a Python interpreter with torch (started at the first async save) and stages into shared
     memory (a `memfd`, not `/dev/shm`); its threads: `save_thread_count`, or the cores
     training leaves free."""
+    incremental: bool = True
+    """Incremental saves (docs/incremental.md): items whose bytes (xxh3-128 hash) did not change
+    since this checkpointer's previous save fill files of their own, and such a file is taken
+    over by a hard link (local/NFS) or a server-side copy (gs://, s3://) instead of being
+    written and uploaded again. Every checkpoint stays complete and loads alone. False: every
+    save writes every byte."""
     load_thread_count: int | None = Field(default=None, ge=1, le=64)
     """Threads per rank reading (and downloading) files; None picks min(4, CPUs)."""
     throttle_uploads: bool = False

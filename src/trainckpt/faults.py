@@ -47,6 +47,11 @@ WRITER_POINTS = (  # the writer process of async saves (core/writer_process.py)
 )
 """Points inside the writer process (`async_writer="process"`)."""
 
+INCREMENTAL_POINTS = (  # only saves that reuse files of the previous one (core/incremental.py)
+    "reused-file",  # this rank linked (or copied) its first unchanged file, wrote no shard yet
+)
+"""Points of an incremental save that takes files over from the previous checkpoint."""
+
 
 _hooks: dict[str, Callable[[], None]] = {}
 
@@ -69,7 +74,7 @@ def fault_point(name: str) -> None:
 def on_fault_point(name: str, hook: Callable[[], None]) -> Iterator[None]:
     """Test-only: run `hook` in this process each time the protocol reaches point `name`
     (e.g. delete a working folder at a known moment), until the block ends."""
-    known = POINTS + REPLACE_POINTS + LOCAL_POINTS + WRITER_POINTS
+    known = POINTS + REPLACE_POINTS + LOCAL_POINTS + WRITER_POINTS + INCREMENTAL_POINTS
     if name not in known:
         raise ValueError(f"unknown fault point {name!r}; known: {known}")
     _hooks[name] = hook

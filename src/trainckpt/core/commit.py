@@ -27,7 +27,7 @@ from pathlib import Path
 from trainckpt.core import claim as claims
 from trainckpt.core import dist
 from trainckpt.core.claim import Claim
-from trainckpt.core.rank_write import RankFiles, WriteTarget
+from trainckpt.core.rank_write import RankFiles, Reuse, WriteTarget
 from trainckpt.core.step_lock import StepLock
 from trainckpt.core.upload_turns import run_in_turns
 from trainckpt.errors import (
@@ -177,8 +177,10 @@ def _write_and_rename(req: SaveRequest, files: RankFiles, tmp: str, token: str) 
 
     # 3. Every rank writes its files into `-tmp`, each fsynced (`rank_write.py`: its trainer
     #    state, an agreement that every rank wrote it, fault point `writing-shards`, its DCP
-    #    shards). A failure on any rank stops all.
-    entries, error = _run_write(files, WriteTarget(storage.local_path(tmp), durable=True))
+    #    shards; an incremental save hard-links its unchanged files from the previous
+    #    checkpoint instead, `incremental.py`). A failure on any rank stops all.
+    to = WriteTarget(storage.local_path(tmp), durable=True, reuse=Reuse(storage, tmp))
+    entries, error = _run_write(files, to)
     fault_point("after-shards")
     dist.agree(error, f"writing checkpoint files into '{tmp}'", group)
 
@@ -352,13 +354,18 @@ def _write_and_upload(req: SaveRequest, files: RankFiles) -> dict[str, FileEntry
             else _EarlyUploads(storage, staging, dir, req.upload_threads)
         )
         try:
+            # Files taken over from the previous checkpoint are copied server-side straight
+            # into the prefix (`incremental.py`): none of them is uploaded.
+            reuse = Reuse(storage, dir)
             to = WriteTarget(
                 staging,
                 durable=False,
                 upload_threads=req.upload_threads,
                 on_file=early.submit if early else None,
+                reuse=reuse,
             )
             entries, error = _run_write(files, to)
+            uploads = [rel for rel in entries if rel not in reuse.done]
             fault_point("after-shards")
             dist.agree(error, f"writing checkpoint files into '{staging}'", group)
 
@@ -366,11 +373,11 @@ def _write_and_upload(req: SaveRequest, files: RankFiles) -> dict[str, FileEntry
             error = None
             try:
                 if early is not None:
-                    early.finish(list(entries))
+                    early.finish(uploads)
                 else:
                     run_in_turns(
                         lambda: storage.upload_many(
-                            [(staging / rel, storage.join(dir, rel)) for rel in entries],
+                            [(staging / rel, storage.join(dir, rel)) for rel in uploads],
                             overwrite=False,
                         ),
                         group,

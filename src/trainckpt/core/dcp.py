@@ -16,7 +16,7 @@ from collections.abc import Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -44,6 +44,9 @@ from trainckpt.storage import Storage
 from trainckpt.storage.checksums import FileEntry, crc32c_file
 from trainckpt.storage.ranged import RangeReader
 
+if TYPE_CHECKING:
+    from trainckpt.core.incremental import Session
+
 log = logging.getLogger(__name__)
 
 # -- saving ------------------------------------------------------------------------------------
@@ -59,12 +62,15 @@ def save_state(
     on_file: Callable[[str], None] | None = None,
     prefix: str | None = None,
     shard_writer: ShardWriter | None = None,
+    incremental: Session | None = None,
 ) -> dict[str, FileEntry]:
     """Write `state` as a DCP folder of up to `thread_count` shard files per rank, written by
     `shard_writer` (default: one thread per file), and return the files this rank wrote
     (relative to the checkpoint folder: `prefix` + name, `prefix` defaulting to the DCP
     folder's name and a slash) with size and CRC32C; with `durable`, every file is fsynced.
     `on_file` gets each shard's path (the same relative path) as soon as it is complete.
+    With `incremental`, shard files unchanged since the previous save are taken over, not
+    written (`incremental.py`; `on_file` is not called for them).
 
     Called on: all ranks (DCP plans collectively; rank 0 also writes `.metadata`).
     """
@@ -75,6 +81,7 @@ def save_state(
         durable=durable,
         on_file=None if on_file is None else lambda name: on_file(f"{rel}{name}"),
         shard_writer=shard_writer,
+        incremental=incremental,
     )
     where = f"writing DCP state into '{folder}'"
     with paused_gc(), _quiet_single_process(), plain_errors(where, StorageError):

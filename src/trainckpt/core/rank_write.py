@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -29,11 +29,26 @@ from trainckpt.storage.checksums import FileEntry, crc32c_file
 from trainckpt.storage.local import fsync_dir, writing
 
 if TYPE_CHECKING:  # imports DCP, which loads with the first save (`import trainckpt` stays fast)
+    from trainckpt.core.incremental import History
     from trainckpt.format.shard_writer import ShardWriter
+    from trainckpt.storage import Storage
 
 OnFile = Callable[[str], None]
 """Gets the path of each file (relative to the checkpoint) as soon as it is complete, from any
 thread: the protocol starts its upload."""
+
+
+@dataclass(frozen=True)
+class Reuse:
+    """Where a save puts the files it takes over unchanged from the previous checkpoint
+    (`incremental.py`): a hard link into `-tmp`, or a server-side copy into the claimed prefix,
+    instead of writing (and uploading) them."""
+
+    storage: Storage
+    into: str
+    """The location standing for the checkpoint folder: `-tmp`, or the step's prefix."""
+    done: set[str] = field(default_factory=set)
+    """Paths (relative to the checkpoint) of the files placed so far: none is uploaded."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +62,8 @@ class WriteTarget:
     upload_threads: int = 0
     """Parallel uploads that will take the files from a staging folder; 0 when none will."""
     on_file: OnFile | None = None
+    reuse: Reuse | None = None
+    """Where files taken over from the previous checkpoint go; None: every file is written."""
 
 
 class RankFiles(Protocol):
@@ -76,10 +93,13 @@ class TrainingFiles:
     """Shard files (and writer threads) per rank when writing in place."""
     shard_writer: ShardWriter | None = None
     """Who writes the shard files (`save_async` with a writer process); None: threads."""
+    history: History | None = None
+    """This rank's record of its previous save, for an incremental save; None: not one."""
 
     def write(self, to: WriteTarget) -> dict[str, FileEntry]:
         """Called on: all ranks (DCP plans collectively)."""
         from trainckpt.core.dcp import save_state  # imported on first use: DCP takes ~1 s
+        from trainckpt.core.incremental import Session
 
         # 1. The trainer state. Every rank learns whether every rank wrote its own: a rank
         #    that failed would otherwise leave the others waiting in DCP's collectives.
@@ -112,6 +132,11 @@ class TrainingFiles:
                 )
             )
         else:
+            session = (
+                None
+                if self.history is None or to.reuse is None
+                else Session(self.history, to.reuse, prefix, durable=to.durable)
+            )
             entries.update(
                 save_state(
                     self.model_state,
@@ -122,6 +147,7 @@ class TrainingFiles:
                     on_file=to.on_file,
                     prefix=prefix,
                     shard_writer=self.shard_writer,
+                    incremental=session,
                 )
             )
         return entries

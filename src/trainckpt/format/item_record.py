@@ -10,6 +10,11 @@ The save id is chosen once per save by DCP's coordinator and also written into `
 (`storage_meta.save_id`). The reader checks, at no extra read of the data, that each shard file
 names itself and this save (a file swapped within a checkpoint, or copied in from another, is
 caught when opened) and that the bytes of each item it loads have the recorded CRC32C.
+
+An incremental save (`core/incremental.py`) takes unchanged shard files over from the previous
+checkpoint as they are, records and all: its `.metadata` then names its own save id followed by
+the ids of the saves that wrote those files, comma-separated (`join_save_ids`), and a shard may
+name any of them (`save_ids`).
 """
 
 from __future__ import annotations
@@ -40,6 +45,17 @@ def new_save_id() -> str:
     return SAVE_ID_PREFIX + uuid.uuid4().hex
 
 
+def join_save_ids(own: str, others: set[str]) -> str:
+    """`.metadata`'s save id field: this save's id, then those of the saves that wrote the
+    files it took over (each id starts with `SAVE_ID_PREFIX` and holds no comma)."""
+    return ",".join([own, *sorted(others - {own})])
+
+
+def save_ids(field: str) -> frozenset[str]:
+    """The save ids a checkpoint's shards may name, from its `.metadata` field."""
+    return frozenset(field.split(","))
+
+
 def encode(file: str, save_id: str, items: list[tuple[int, int, int]]) -> bytes:
     """The record of shard `file` of save `save_id` holding `items` (offset, length, crc32c)."""
     rows = [[offset, length, f"{crc:08x}"] for offset, length, crc in items]
@@ -54,12 +70,13 @@ class ItemRecord:
     items: dict[int, tuple[int, int]]
     """offset -> (length, crc32c)."""
 
-    def check_identity(self, where: str, file: str, save_id: str) -> None:
-        """Raise unless this record names shard `file` of save `save_id`."""
-        if (self.file, self.save_id) != (file, save_id):
+    def check_identity(self, where: str, file: str, save_ids: frozenset[str]) -> None:
+        """Raise unless this record names shard `file` and one of the saves `save_ids`."""
+        if self.file != file or self.save_id not in save_ids:
+            expected = " or ".join(sorted(save_ids))
             raise CorruptCheckpointError(
                 f"'{where}' is not the file this checkpoint's DCP metadata expects there: it "
-                f"holds '{self.file}' of save {self.save_id}, not '{file}' of save {save_id} "
+                f"holds '{self.file}' of save {self.save_id}, not '{file}' of save {expected} "
                 f"(shard files were swapped, or copied in from another checkpoint); {_REDO}"
             )
 

@@ -80,13 +80,13 @@ class ParallelReader(FileSystemReader):
         records: dict[str, item_record.ItemRecord] = {}
         if self.save_id is None:
             return records
-        save_id = self.save_id
+        save_ids = item_record.save_ids(self.save_id)
 
         def read(name: str) -> None:
             path = str(self.fs.concat_path(self.path, name))
             with self.fs.create_stream(path, "rb") as stream:
                 record = item_record.read(stream, path)
-            record.check_identity(path, name, save_id)
+            record.check_identity(path, name, save_ids)
             records[name] = record
 
         self._run_all(read, names)

@@ -24,6 +24,9 @@ own `FileSystemWriter` is how they are written:
   `torch.save`'s serializer, which gives the head and tail; the next ones of that kind are
   written as head + bytes + tail in one write. Thousands of small tensors (MoE experts,
   optimizer step counters) then cost microseconds each, not the ~0.4 ms of a zip writer;
+- with an incremental save (`core/incremental.py`), the items unchanged since the previous save
+  fill files of their own, and a file whose items are all unchanged is taken over from the
+  previous checkpoint (hard link, server-side copy) instead of being written;
 - each shard file ends with an item record (`item_record`): its own name, the save's id and
   the CRC32C of every item, computed from the bytes as they are written; the save id also goes
   into `.metadata` (`storage_meta.save_id`), so the reader can tell a misplaced or damaged
@@ -37,12 +40,13 @@ import contextlib
 import dataclasses
 import functools
 import io
+import itertools
 import pickle
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Protocol, cast
+from typing import IO, TYPE_CHECKING, Protocol, cast
 
 import torch
 from torch.distributed.checkpoint.filesystem import (
@@ -64,6 +68,9 @@ from trainckpt.storage.checksummed_file import ChecksummedWriter, checksummed_fi
 from trainckpt.storage.checksums import FileEntry
 from trainckpt.storage.local import writing
 
+if TYPE_CHECKING:
+    from trainckpt.core.incremental import Session
+
 
 @dataclasses.dataclass
 class _SavePrefix(_StoragePrefix):
@@ -71,6 +78,14 @@ class _SavePrefix(_StoragePrefix):
     to every rank with its plan (only between the ranks of this save; never stored)."""
 
     save_id: str = ""
+
+
+@dataclass(frozen=True)
+class ReusedResult(WriteResult):
+    """The result of an item in a file taken over from an earlier save, whose item record names
+    that save (`source_save_id`): the coordinator lists it in `.metadata` beside its own."""
+
+    source_save_id: str = ""
 
 
 class RecordingWriter(FileSystemWriter):
@@ -84,16 +99,19 @@ class RecordingWriter(FileSystemWriter):
         durable: bool = True,
         on_file: Callable[[str], None] | None = None,
         shard_writer: ShardWriter | None = None,
+        incremental: Session | None = None,
     ) -> None:
         """`thread_count`: shard files per rank. `on_file(name)` is called (on a writing
         thread) as soon as a shard is complete. `shard_writer` writes the files (default: one
-        thread per file, `ThreadShardWriter`)."""
+        thread per file, `ThreadShardWriter`). `incremental`: this rank's incremental save,
+        which lays the items out and takes unchanged files over (None: every file written)."""
         super().__init__(
             path, single_file_per_rank=True, sync_files=durable, thread_count=thread_count
         )
         self.written: dict[str, FileEntry] = {}
         self.on_file = on_file
         self.shard_writer = shard_writer or ThreadShardWriter()
+        self.incremental = incremental
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """DCP's own step (creates the folder), with write errors naming the folder."""
@@ -111,8 +129,11 @@ class RecordingWriter(FileSystemWriter):
         ]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator: DCP's own step (writes `.metadata`, with the save id recorded in it),
-        with write errors naming the file."""
+        """Coordinator: DCP's own step (writes `.metadata`, with the save id recorded in it,
+        and those of the saves that wrote files this one took over), with write errors naming
+        the file."""
+        sources = {r.source_save_id for rs in results for r in rs if isinstance(r, ReusedResult)}
+        self.save_id = item_record.join_save_ids(self.save_id, sources)  # `storage_meta()`'s
         metadata.storage_meta = StorageMeta(save_id=self.save_id)
         with writing(Path(self.path) / DCP_METADATA_FILE):
             super().finish(metadata, results)
@@ -120,21 +141,28 @@ class RecordingWriter(FileSystemWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self.save_id = plan.storage_data.save_id
         prefix = plan.storage_data.prefix
-        buckets = [b for b in _split_by_size_and_type(self.thread_count, plan.items) if b]
         resolve = functools.partial(_resolve, planner)
-        shards = [
-            Shard(f"{prefix}{i}{DEFAULT_SUFFIX}", _file_order(items), resolve)
-            for i, items in enumerate(buckets)
-        ]
+        results: list[WriteResult] = []
+        groups = [plan.items]  # the items of each group fill files of their own
+        if self.incremental is not None:
+            layout = self.incremental.lay_out(plan.items, resolve, self.thread_count)
+            groups = layout.groups
+            for name, entry in layout.reused_files.items():
+                self.written[name] = entry
+            results += layout.reused_results
+        names = _free_names(prefix, set(self.written))
+        buckets = [b for g in groups for b in _split_by_size_and_type(self.thread_count, g) if b]
+        shards = [Shard(next(names), _file_order(items), resolve) for items in buckets]
         written = self.shard_writer.write_shards(
             Path(self.path), shards, self.save_id, self.sync_files, self.on_file
         )
-        results: list[WriteResult] = []
         for shard, done in zip(shards, written, strict=True):
             self.written[shard.name] = done.entry
             for item, (offset, length) in zip(shard.items, done.spans, strict=True):
                 info = _StorageInfo(shard.name, offset, length)
                 results.append(WriteResult(item.index, length, info))
+        if self.incremental is not None:
+            self.incremental.record(shards, written, self.save_id)
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
@@ -223,6 +251,15 @@ def write_shard(
             parts.append(out.part())
         out.write(item_record.encode(name, save_id, parts))
     return WrittenShard(name, out.entry(), [(offset, length) for offset, length, _ in parts])
+
+
+def _free_names(prefix: str, taken: set[str]) -> Iterator[str]:
+    """Shard file names `{prefix}{i}.distcp` for i = 0, 1, ..., but those `taken` (by files
+    taken over from an earlier save)."""
+    for i in itertools.count():
+        name = f"{prefix}{i}{DEFAULT_SUFFIX}"
+        if name not in taken:
+            yield name
 
 
 def _file_order(items: list[WriteItem]) -> list[WriteItem]:

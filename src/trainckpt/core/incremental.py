@@ -1,0 +1,315 @@
+"""Incremental saves (docs/incremental.md): data unchanged since the previous save costs no
+bytes written and none uploaded, and every checkpoint stays a complete DCP folder.
+
+Each rank remembers (`History`, in memory, one per `Checkpointer`) the shard files of its last
+committed save: for each item its key (DCP index and tensor kind), the xxh3-128 hash of its
+bytes (`content_hash.py`), offset and length. At the next save (`Session.lay_out`), on the
+same rank:
+
+1. every tensor item is hashed (every save, in full: the hash decides; see "What is hashed" in
+   docs/incremental.md for why no version counter is trusted to skip it);
+2. a previous file whose every item is present again with the same key and hash is taken over
+   as it is: hard-linked (or copied) into `-tmp`, or copied server-side into the claimed prefix
+   (`Storage.copy_file`), then checked by its size and item record (it names the file and the
+   save that wrote it, which this save's `.metadata` then also names);
+3. the other unchanged items (and, with no record yet, items that look frozen: model entries the
+   optimizer holds no state for) fill files of their own, so that the next save can take those
+   over whole; changed items fill the rest.
+
+A file that cannot be taken over (the previous checkpoint was deleted meanwhile, or its file is
+not the one recorded) is written instead. The taken-over file is an independent name for the
+same bytes: deleting either checkpoint never affects the other.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from trainckpt.errors import CheckpointError
+from trainckpt.faults import fault_point
+from trainckpt.format import item_record
+from trainckpt.format.content_hash import tensor_digest, tensor_kind
+from trainckpt.storage import Storage
+from trainckpt.storage.checksums import FileEntry
+from trainckpt.storage.local import fsync_dir, writing
+
+if TYPE_CHECKING:  # DCP loads with the first save; `History` is built with the Checkpointer
+    from torch.distributed.checkpoint.planner import WriteItem
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    from trainckpt.core.rank_write import Reuse
+    from trainckpt.format.shard_writer import ItemData, Shard, WrittenShard
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SavedItem:
+    """One item of a shard file as a save wrote it."""
+
+    key: Hashable
+    """DCP's index of the item and its tensor kind: equal keys hold bytes of equal layout."""
+    digest: bytes | None
+    """xxh3-128 of its bytes; None for an item never compared (byte items, odd tensors)."""
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class SavedFile:
+    """One shard file of a committed save of this rank."""
+
+    name: str
+    """Its name in the DCP folder (what its item record names)."""
+    rel: str
+    """Its path relative to the checkpoint folder."""
+    save_id: str
+    """The save that wrote its bytes (named by its item record)."""
+    entry: FileEntry
+    items: tuple[SavedItem, ...]
+
+    def unchanged_in(self, digests: dict[Hashable, bytes | None]) -> bool:
+        """True when every item of this file is in `digests` with the same hash."""
+        return bool(self.items) and all(
+            i.digest is not None and digests.get(i.key) == i.digest for i in self.items
+        )
+
+
+@dataclass(frozen=True)
+class _Committed:
+    storage: Storage
+    dir: str
+    files: tuple[SavedFile, ...]
+
+
+class History:
+    """This rank's record of the shard files of its last committed save; kept in memory by a
+    `Checkpointer` (a restarted run starts with a full save). Called on: each rank, from the
+    thread running its saves."""
+
+    def __init__(self) -> None:
+        self._last: _Committed | None = None
+        self._pending: list[SavedFile] = []
+        self._lock = threading.Lock()
+
+    def previous(self, storage: Storage) -> _Committed | None:
+        """The last committed save, if it went to the same kind of storage."""
+        last = self._last
+        return last if last is not None and type(last.storage) is type(storage) else None
+
+    def begin(self) -> None:
+        """A save starts: forget what an unfinished one recorded."""
+        with self._lock:
+            self._pending = []
+
+    def add(self, files: list[SavedFile]) -> None:
+        with self._lock:
+            self._pending.extend(files)
+
+    def committed(self, storage: Storage, dir: str) -> None:
+        """The save that recorded its files since `begin` is committed as `dir`."""
+        with self._lock:
+            self._last = _Committed(storage, dir, tuple(self._pending))
+            self._pending = []
+
+
+@dataclass
+class Layout:
+    """How one rank's items of a save go to files."""
+
+    groups: list[list[WriteItem]]
+    """Items to write: each group fills files of its own (unchanged ones first)."""
+    reused_files: dict[str, FileEntry] = field(default_factory=dict)
+    """Files taken over (name in the DCP folder -> size and CRC32C)."""
+    reused_results: list[WriteResult] = field(default_factory=list)
+
+
+class Session:
+    """One rank's incremental save: lays its items out (`lay_out`), takes unchanged files over
+    through `reuse`, and records what it wrote in `history` (`record`). `prefix`: the DCP
+    folder relative to the checkpoint folder ("" or "model_and_optim/")."""
+
+    def __init__(self, history: History, reuse: Reuse, prefix: str, *, durable: bool) -> None:
+        self.history = history
+        self.reuse = reuse
+        self.prefix = prefix
+        self.durable = durable
+        self._keys: dict[object, tuple[Hashable, bytes | None]] = {}  # DCP index -> key, hash
+        history.begin()
+
+    def lay_out(
+        self,
+        items: list[WriteItem],
+        resolve: Callable[[WriteItem], ItemData],
+        threads: int,
+    ) -> Layout:
+        """Hash every item, take over the previous files whose items are all unchanged, and
+        group the rest: unchanged (or likely frozen) items, then the others. Called on: each
+        rank, in DCP's `write_data`."""
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+        from trainckpt.format.shard_writer import ReusedResult
+
+        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="trainckpt-hash") as pool:
+            for item, keyed in zip(
+                items, pool.map(lambda i: _keyed(i, resolve), items), strict=True
+            ):
+                self._keys[item.index] = keyed
+        digests = dict(self._keys.values())
+        previous = self.history.previous(self.reuse.storage)
+        known: dict[Hashable, bytes | None] = {}
+        candidates: list[SavedFile] = []
+        if previous is not None:
+            for f in previous.files:
+                known.update((i.key, i.digest) for i in f.items)
+                if f.rel == self.prefix + f.name and f.unchanged_in(digests):
+                    candidates.append(f)
+        layout = Layout(groups=[])
+        placed = self._take_over(previous, candidates, threads) if previous else []
+        by_key = {key: item for item in items for key in [self._keys[item.index][0]]}
+        taken: set[Hashable] = set()
+        for f in placed:
+            layout.reused_files[f.name] = f.entry
+            for i in f.items:
+                taken.add(i.key)
+                info = _StorageInfo(f.name, i.offset, i.length)
+                layout.reused_results.append(
+                    ReusedResult(by_key[i.key].index, i.length, info, source_save_id=f.save_id)
+                )
+        frozen = _likely_frozen([i.index.fqn for i in items])
+        stable: list[WriteItem] = []
+        changing: list[WriteItem] = []
+        for item in items:
+            key, digest = self._keys[item.index]
+            if key in taken:
+                continue
+            if key in known:
+                same = digest is not None and known[key] == digest
+            else:
+                same = digest is not None and item.index.fqn in frozen
+            (stable if same else changing).append(item)
+        layout.groups = [g for g in (stable, changing) if g]
+        self.history.add(placed)
+        return layout
+
+    def record(
+        self, shards: Sequence[Shard], written: Sequence[WrittenShard], save_id: str
+    ) -> None:
+        """Remember the files this rank wrote in this save. Called on: each rank, after its
+        shards are written."""
+        files = []
+        for shard, done in zip(shards, written, strict=True):
+            items = tuple(
+                SavedItem(*self._keys[item.index], offset, length)
+                for item, (offset, length) in zip(shard.items, done.spans, strict=True)
+            )
+            files.append(
+                SavedFile(shard.name, self.prefix + shard.name, save_id, done.entry, items)
+            )
+        self.history.add(files)
+
+    def _take_over(
+        self, previous: _Committed, files: list[SavedFile], threads: int
+    ) -> list[SavedFile]:
+        """Place each of `files` of the `previous` checkpoint into this save; return those
+        placed (a file that could not be is written instead)."""
+        if not files:
+            return []
+        first = threading.Event()
+
+        def place(f: SavedFile) -> bool:
+            ok = self._place(previous.dir, f)
+            if ok and not first.is_set():
+                first.set()
+                fault_point("reused-file")
+            return ok
+
+        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="trainckpt-reuse") as pool:
+            placed = [f for f, ok in zip(files, pool.map(place, files), strict=True) if ok]
+        if placed and self.durable and self.reuse.storage.atomic_rename:
+            folder = self.reuse.storage.local_path(
+                self.reuse.storage.join(self.reuse.into, placed[0].rel)
+            )
+            with writing(folder.parent):
+                fsync_dir(folder.parent)
+        log.info(
+            "incremental save: took over %d of %d unchanged file(s) (%.1f MB) from '%s'",
+            len(placed),
+            len(files),
+            sum(f.entry.size for f in placed) / 1e6,
+            previous.dir,
+        )
+        return placed
+
+    def _place(self, source_dir: str, f: SavedFile) -> bool:
+        """Link or copy file `f` of `source_dir` into this save and check that it is the file
+        recorded (size, item record); False, with nothing left behind, if not."""
+        storage = self.reuse.storage
+        src, dst = storage.join(source_dir, f.rel), storage.join(self.reuse.into, f.rel)
+        try:
+            storage.copy_file(src, dst)
+            _check(storage, dst, f)
+        except (CheckpointError, OSError) as e:
+            log.warning(
+                "incremental save: writing '%s' anew, it could not be taken over: %s", dst, e
+            )
+            try:
+                storage.delete_files([dst])
+            except CheckpointError as cleanup:
+                log.warning("could not remove '%s': %s", dst, cleanup)
+            return False
+        self.reuse.done.add(f.rel)
+        return True
+
+
+def _check(storage: Storage, location: str, f: SavedFile) -> None:
+    """Raise unless `location` holds file `f` as recorded: its size, and an item record that
+    names it and the save that wrote it (a save id is unique: no other file has that record)."""
+    size = storage.size(location)
+    if size != f.entry.size:
+        raise CheckpointError(f"'{location}' has {size} bytes, not the {f.entry.size} recorded")
+    with storage.open_read(location) as stream:
+        record = item_record.read(stream, location)
+    record.check_identity(location, f.name, frozenset([f.save_id]))
+
+
+def _keyed(
+    item: WriteItem, resolve: Callable[[WriteItem], ItemData]
+) -> tuple[Hashable, bytes | None]:
+    """(key, hash) of one item: DCP's index plus tensor kind, and the xxh3-128 of its bytes;
+    byte items and tensors `tensor_kind` refuses have no hash (never called unchanged)."""
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    if item.type == WriteItemType.BYTE_IO:
+        return (item.index, None), None
+    data = resolve(item)
+    kind = tensor_kind(data) if isinstance(data, torch.Tensor) else None
+    if kind is None:
+        return (item.index, None), None
+    return (item.index, kind), tensor_digest(data)  # type: ignore[arg-type]
+
+
+def _likely_frozen(fqns: list[str]) -> set[str]:
+    """The model entries (`model.<param>`) the optimizer holds no state or parameter-group
+    entry for (`optim.state.<param>.<name>`, `optim.param_groups.<param>.<name>`): likely
+    frozen, so they start in files of their own before any hash says so. Empty without an
+    optimizer (nothing to tell by)."""
+    optimized = {
+        fqn.split(".", 2)[2].rsplit(".", 1)[0]
+        for fqn in fqns
+        if fqn.startswith(("optim.state.", "optim.param_groups.")) and fqn.count(".") >= 3
+    }
+    if not optimized:
+        return set()
+    return {
+        fqn
+        for fqn in fqns
+        if fqn.startswith("model.") and fqn.removeprefix("model.") not in optimized
+    }
