@@ -61,7 +61,8 @@ def test_a_rank_with_nothing_to_write_writes_no_shard(tmp_path: Path) -> None:
 
 def test_async_save_is_byte_identical_to_sync_save(tmp_path: Path) -> None:
     """save_async returns once staged; changing the model right after must not change a byte."""
-    ckpt = CheckpointerConfig(work_dir=tmp_path / "work").build()
+    # incremental=False: the second save would take the first one's (equal) files over
+    ckpt = CheckpointerConfig(work_dir=tmp_path / "work", incremental=False).build()
     module = make_module(width=64)
     sync_dir = Path(ckpt.save(tmp_path / "sync" / "step1", module, {"step": 1}))
     future = ckpt.save_async(tmp_path / "async" / "step1", module, {"step": 1})

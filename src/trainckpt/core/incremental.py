@@ -35,7 +35,7 @@ import torch
 from trainckpt.errors import CheckpointError
 from trainckpt.faults import fault_point
 from trainckpt.format import item_record
-from trainckpt.format.content_hash import tensor_digest, tensor_kind
+from trainckpt.format.content_hash import bytes_digest, tensor_digest, tensor_kind
 from trainckpt.storage import Storage
 from trainckpt.storage.checksums import FileEntry
 from trainckpt.storage.local import fsync_dir, writing
@@ -57,7 +57,7 @@ class SavedItem:
     key: Hashable
     """DCP's index of the item and its tensor kind: equal keys hold bytes of equal layout."""
     digest: bytes | None
-    """xxh3-128 of its bytes; None for an item never compared (byte items, odd tensors)."""
+    """xxh3-128 of its bytes; None for an item never compared (an odd tensor: a subclass...)."""
     offset: int
     length: int
 
@@ -283,17 +283,15 @@ def _check(storage: Storage, location: str, f: SavedFile) -> None:
 def _keyed(
     item: WriteItem, resolve: Callable[[WriteItem], ItemData]
 ) -> tuple[Hashable, bytes | None]:
-    """(key, hash) of one item: DCP's index plus tensor kind, and the xxh3-128 of its bytes;
-    byte items and tensors `tensor_kind` refuses have no hash (never called unchanged)."""
-    from torch.distributed.checkpoint.planner import WriteItemType
-
-    if item.type == WriteItemType.BYTE_IO:
-        return (item.index, None), None
+    """(key, hash) of one item: DCP's index plus tensor kind ("bytes" for a byte item), and
+    the xxh3-128 of its bytes; a tensor `tensor_kind` refuses has no hash (never unchanged)."""
     data = resolve(item)
-    kind = tensor_kind(data) if isinstance(data, torch.Tensor) else None
+    if not isinstance(data, torch.Tensor):
+        return (item.index, "bytes"), bytes_digest(data)
+    kind = tensor_kind(data)
     if kind is None:
         return (item.index, None), None
-    return (item.index, kind), tensor_digest(data)  # type: ignore[arg-type]
+    return (item.index, kind), tensor_digest(data)
 
 
 def _likely_frozen(fqns: list[str]) -> set[str]:

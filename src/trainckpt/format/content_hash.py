@@ -10,6 +10,8 @@ the interpreter lock on large buffers, so hashing costs a fraction of writing th
 
 from __future__ import annotations
 
+import io
+
 import torch
 import xxhash
 
@@ -48,3 +50,8 @@ def tensor_digest(tensor: torch.Tensor) -> bytes:
     storage = tensor.untyped_storage()
     flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
     return xxhash.xxh3_128_digest(memoryview(flat.numpy()))  # type: ignore[arg-type]
+
+
+def bytes_digest(data: io.BytesIO | bytes) -> bytes:
+    """xxh3-128 of a byte item (a non-tensor value, as DCP serialized it)."""
+    return xxhash.xxh3_128_digest(data.getbuffer() if isinstance(data, io.BytesIO) else data)

@@ -1,0 +1,230 @@
+"""Incremental saves (docs/incremental.md): files of unchanged items are hard links to the
+previous checkpoint's, every checkpoint loads alone (trainckpt, plain DCP, OLMo-core) and
+verifies, deleting one never affects another, and the hash (not a hint) decides."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import olmo_core.train.checkpoint as olmo_checkpoint
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from support.models import assert_same_state
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from trainckpt import (
+    CheckpointManager,
+    Checkpointer,
+    CheckpointerConfig,
+    CheckpointPolicy,
+    ModelAndOptim,
+)
+from trainckpt.cli.main import main
+from trainckpt.format.item_record import SAVE_ID_PREFIX
+
+BASE = 1024  # the frozen base: 1024x1024 floats, ~97% of the saved bytes
+
+
+def lora_module(seed: int = 0) -> ModelAndOptim:
+    """A frozen base (not in the optimizer) and a small trained adapter."""
+    torch.manual_seed(seed)
+    base = torch.nn.Linear(BASE, BASE)
+    base.requires_grad_(False)
+    model = torch.nn.Sequential(base, torch.nn.Linear(BASE, 4))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return ModelAndOptim(model, torch.optim.AdamW(trainable, lr=1e-2))
+
+
+def train(module: ModelAndOptim, step: int) -> None:
+    gen = torch.Generator().manual_seed(step)
+    module.model(torch.randn(8, BASE, generator=gen)).square().sum().backward()
+    assert module.optim is not None
+    module.optim.step()
+    module.optim.zero_grad()
+
+
+def shards(path: str | Path) -> dict[str, os.stat_result]:
+    folder = Path(path) / "model_and_optim"
+    return {p.name: p.stat() for p in sorted(folder.glob("*.distcp"))}
+
+
+def linked(a: str | Path, b: str | Path) -> set[str]:
+    """Names of the shard files of `b` that are the same file (inode) as one of `a`."""
+    inodes = {s.st_ino for s in shards(a).values()}
+    return {name for name, s in shards(b).items() if s.st_ino in inodes}
+
+
+def copy_of(module: ModelAndOptim) -> ModelAndOptim:
+    dst = lora_module(seed=99)
+    dst.model.load_state_dict(module.model.state_dict())
+    assert dst.optim is not None and module.optim is not None
+    dst.optim.load_state_dict(module.optim.state_dict())
+    return dst
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> tuple[Checkpointer, ModelAndOptim, Path]:
+    ckpt = CheckpointerConfig(work_dir=tmp_path / "work").build()
+    yield ckpt, lora_module(), tmp_path / "run"
+    ckpt.close()
+
+
+def test_unchanged_files_are_hard_links_and_each_checkpoint_loads_alone(run, tmp_path):
+    ckpt, module, folder = run
+    saved = []
+    for step in (1, 2, 3):
+        train(module, step)
+        ckpt.save(folder / f"step{step}", module, {"step": step})
+        saved.append(copy_of(module))
+
+    base_bytes = (BASE * BASE + BASE) * 4
+    # From the second save on, the frozen base is linked, not written: new bytes are the
+    # adapter, its optimizer state and records, far below the base's.
+    for prev, new in (("step1", "step2"), ("step2", "step3")):
+        reused = linked(folder / prev, folder / new)
+        assert reused, f"{new} took no file over from {prev}"
+        fresh = sum(s.st_size for n, s in shards(folder / new).items() if n not in reused)
+        assert sum(shards(folder / new)[n].st_size for n in reused) >= base_bytes
+        assert fresh < base_bytes / 10
+    assert linked(folder / "step1", folder / "step3")  # the same file, three names
+
+    # Each checkpoint alone: the others deleted (commit record first, as prune does).
+    for keep in (3, 2):
+        expected = saved[keep - 1]
+        for other in {1, 2, 3} - {keep}:
+            shutil.rmtree(folder / f"step{other}", ignore_errors=True)
+        path = folder / f"step{keep}"
+        assert Checkpointer.verify(path, deep=True).ok
+        dst = lora_module(seed=7)
+        assert ckpt.load(path, dst) == {"step": keep}
+        assert_same_state(expected, dst)
+        # plain DCP, reading the same files
+        md = FileSystemReader(str(path / "model_and_optim")).read_metadata()
+        state = {
+            k: torch.empty(v.size, dtype=v.properties.dtype)
+            for k, v in md.state_dict_metadata.items()
+            if isinstance(v, TensorStorageMetadata)
+        }
+        dcp.load(state, checkpoint_id=str(path / "model_and_optim"), no_dist=True)
+        for name, value in expected.model.state_dict().items():
+            assert torch.equal(state[f"model.{name}"], value), name
+        # OLMo-core
+        dst = lora_module(seed=8)
+        olmo = olmo_checkpoint.Checkpointer(work_dir=tmp_path / f"olmo-{keep}")
+        assert olmo.load(str(path), dst) == {"step": keep}
+        assert_same_state(expected, dst)
+        if keep == 3:
+            ckpt.save(folder / "step2", module, {"step": 2})  # a new step2 to keep alone next
+            saved[1] = copy_of(module)
+
+
+def test_the_hash_decides_not_the_version_counter(run):
+    """A write through `.data` bumps no version counter, and a frozen parameter changes: the
+    file holding it is written anew, and the checkpoint holds the new value."""
+    ckpt, module, folder = run
+    train(module, 1)
+    ckpt.save(folder / "step1", module, {"step": 1})
+    base = module.model[0].weight
+    version = base._version
+    base.data[3, 5] += 1.0
+    assert base._version == version
+    ckpt.save(folder / "step2", module, {"step": 2})
+    reused = linked(folder / "step1", folder / "step2")
+    dst = lora_module(seed=5)
+    ckpt.load(folder / "step2", dst)
+    assert torch.equal(dst.model[0].weight, base)
+    # the bias did not change: its file (of its own) is linked; the weight's is not
+    assert reused and all(shards(folder / "step2")[n].st_size < BASE * BASE * 4 for n in reused), (
+        reused
+    )
+
+
+def test_a_deleted_previous_checkpoint_means_a_full_save(run):
+    ckpt, module, folder = run
+    train(module, 1)
+    ckpt.save(folder / "step1", module, {"step": 1})
+    Checkpointer.delete(str(folder / "step1"))
+    ckpt.save(folder / "step2", module, {"step": 2})
+    assert Checkpointer.verify(folder / "step2", deep=True).ok
+    dst = lora_module(seed=5)
+    ckpt.load(folder / "step2", dst)
+    assert_same_state(module, dst)
+
+
+def test_a_previous_file_replaced_meanwhile_is_not_taken_over(run, tmp_path):
+    """The previous checkpoint is overwritten (same step, same file names, other values) by
+    another checkpointer between two saves: the next save checks the item record of each file
+    it links, finds another save's, and writes the file instead."""
+    ckpt, module, folder = run
+    train(module, 1)
+    ckpt.save(folder / "step1", module, {"step": 1})
+    other = CheckpointerConfig(work_dir=tmp_path / "w2", save_overwrite=True).build()
+    other.save(folder / "step1", lora_module(seed=3), {"step": 1})
+    other.close()
+    ckpt.save(folder / "step2", module, {"step": 2})
+    assert not linked(folder / "step1", folder / "step2")
+    dst = lora_module(seed=5)
+    ckpt.load(folder / "step2", dst)
+    assert_same_state(module, dst)
+
+
+def test_retention_and_prune_over_linked_checkpoints_leave_the_others_whole(run):
+    """Retention (a `CheckpointManager` keeping 2) deletes linked checkpoints while the run
+    goes on, then `trainckpt prune --keep-last 1`: what is left verifies and loads."""
+    ckpt, module, folder = run
+    manager = CheckpointManager(ckpt, CheckpointPolicy(save_interval=1, max_checkpoints=2), folder)
+    for step in range(1, 5):
+        train(module, step)
+        manager.save(step, module, {"step": step})
+    manager.finish()
+    final = copy_of(module)
+    assert [s for s, _ in Checkpointer.find_checkpoints(folder)] == [3, 4]
+    assert linked(folder / "step3", folder / "step4")
+    assert main(["prune", str(folder), "--keep-last", "1"]) == 0
+    assert [s for s, _ in Checkpointer.find_checkpoints(folder)] == [4]
+    assert all(s.st_nlink == 1 for s in shards(folder / "step4").values())
+    assert Checkpointer.verify(folder / "step4", deep=True).ok
+    dst = lora_module(seed=5)
+    ckpt.load(folder / "step4", dst)
+    assert_same_state(final, dst)
+
+
+def test_the_metadata_names_the_saves_whose_files_it_took_over(run):
+    ckpt, module, folder = run
+    ckpt.save(folder / "step1", module, {"step": 1})
+    train(module, 1)
+    ckpt.save(folder / "step2", module, {"step": 2})
+    ids = FileSystemReader(str(folder / "step2/model_and_optim")).read_metadata()
+    save_ids = ids.storage_meta.save_id.split(",")
+    assert len(save_ids) == 2 and all(i.startswith(SAVE_ID_PREFIX) for i in save_ids)
+
+
+def test_off_switch_writes_every_file(tmp_path):
+    ckpt = CheckpointerConfig(work_dir=tmp_path / "work", incremental=False).build()
+    module = lora_module()
+    ckpt.save(tmp_path / "step1", module, {"step": 1})
+    ckpt.save(tmp_path / "step2", module, {"step": 2})
+    ckpt.close()
+    assert not linked(tmp_path / "step1", tmp_path / "step2")
+    assert all(s.st_nlink == 1 for s in shards(tmp_path / "step2").values())
+
+
+def test_async_saves_through_the_writer_process_link_too(tmp_path):
+    ckpt = CheckpointerConfig(work_dir=tmp_path / "work", async_writer="process").build()
+    module = lora_module()
+    try:
+        for step in (1, 2):
+            train(module, step)
+            ckpt.save_async(tmp_path / f"step{step}", module, {"step": step}).result()
+    finally:
+        ckpt.close()
+    assert linked(tmp_path / "step1", tmp_path / "step2")
+    dst = lora_module(seed=5)
+    reader = CheckpointerConfig(work_dir=tmp_path / "work2").build()
+    reader.load(tmp_path / "step2", dst)
+    reader.close()
+    assert_same_state(module, dst)
