@@ -17,9 +17,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from trainckpt import (
-    CheckpointManager,
     Checkpointer,
     CheckpointerConfig,
+    CheckpointManager,
     CheckpointPolicy,
     ModelAndOptim,
 )
