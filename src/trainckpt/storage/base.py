@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from trainckpt.errors import StorageError
 from trainckpt.faults import fault_point
 
 
@@ -153,12 +152,6 @@ class Storage(ABC):
         """Upload several files (in parallel where the back end can); the first error raises."""
         for local, location in pairs:
             self.upload(local, location, overwrite=overwrite)
-
-    def copy_file(self, src: str, dst: str) -> None:
-        """Create `dst` holding the bytes of file `src` without sending them through this
-        process (a hard link or a server-side copy), create-only like `upload(overwrite=False)`.
-        A missing `src` raises `FileNotFoundError`."""
-        raise StorageError(f"{type(self).__name__} cannot copy '{src}' to '{dst}'")
 
     @abstractmethod
     def delete_files(self, locations: Iterable[str]) -> None:

@@ -267,31 +267,6 @@ class LocalStorage(Storage):
                 tmp.unlink(missing_ok=True)
             fsync_dir(target.parent)
 
-    def copy_file(self, src: str, dst: str) -> None:
-        """Create `dst` holding the bytes of `src`: a hard link (a second, independent name for
-        the same data), or a copy where the filesystem refuses links; create-only
-        (`CheckpointExistsError`), and a missing `src` is `CheckpointNotFoundError`."""
-        target = Path(dst)
-        with reading(src):
-            os.stat(src)
-        with writing(target):
-            try:
-                os.link(src, target)
-            except FileExistsError as e:
-                raise CheckpointExistsError(f"'{target}' already exists") from e
-            except OSError as e:
-                if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP):
-                    raise
-                tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.tmp")
-                try:
-                    shutil.copyfile(src, tmp)
-                    with open(tmp, "rb+") as f:
-                        os.fsync(f.fileno())
-                    self._publish(tmp, target, overwrite=False)
-                finally:
-                    tmp.unlink(missing_ok=True)
-            fsync_dir(target.parent)
-
     @staticmethod
     def _publish(tmp: Path, target: Path, *, overwrite: bool) -> None:
         """Move a finished temp file into place; create-only when not `overwrite`."""
