@@ -15,8 +15,9 @@ workers=${TEST_WORKERS:-$((cores < 4 ? cores : 4))}
 status=0
 # --max-worker-restart 0: a worker that dies (a native crash) fails the run at once, naming the
 # test; pytest-xdist 3.8's loadfile scheduler can otherwise deadlock after replacing the worker.
+# --durations 25: every run names its slowest tests, so CI time stays watched.
 .venv/bin/python -m pytest -q -n "$workers" --dist loadfile --no-loadscope-reorder \
-  --max-worker-restart 0 "$@" || status=$?
+  --max-worker-restart 0 --durations 25 "$@" || status=$?
 if [ "$status" -eq 5 ]; then
   echo "test.sh: pytest collected no tests (exit code 5); that is a failure, not a pass" >&2
 fi

@@ -112,6 +112,26 @@ def test_racing_create_only_writes_one_wins(backend: tuple[Storage, str]) -> Non
     assert storage.read_bytes(loc) == f"writer {winner}".encode()
 
 
+def test_copy_file_is_create_only(backend: tuple[Storage, str]) -> None:
+    """A copy holds the source's bytes, never replaces an existing file, and names what is
+    missing; the source stays."""
+    storage, root = backend
+    src = storage.join(root, "step3", "model", "__0_0.distcp")
+    dst = storage.join(root, "step3-replaced", "model", "__0_0.distcp")
+    data = bytes(range(256)) * 64
+    storage.write_bytes(src, data)
+    storage.copy_file(src, dst)
+    assert storage.read_bytes(dst) == data and storage.read_bytes(src) == data
+    other = storage.join(root, "other.bin")
+    storage.write_bytes(other, b"other")
+    with pytest.raises(CheckpointExistsError, match="__0_0.distcp"):
+        storage.copy_file(other, dst)
+    assert storage.read_bytes(dst) == data
+    with pytest.raises(CheckpointNotFoundError, match="nope.bin"):
+        storage.copy_file(storage.join(root, "nope.bin"), storage.join(root, "x.bin"))
+    assert not storage.exists(storage.join(root, "x.bin"))
+
+
 @pytest.fixture(params=["gcs", "s3"])
 def object_store(request: pytest.FixtureRequest) -> tuple[Storage, str]:
     """The back ends with compare-and-swap writes (claims on step prefixes need them)."""

@@ -155,6 +155,8 @@ class Request:
     path: str
     query: dict[str, list[str]]
     body: bytes
+    copy_source: str | None = None
+    """The `x-amz-copy-source` header: set on server-side copies."""
 
     @property
     def operation(self) -> str:
@@ -166,12 +168,14 @@ class Request:
             return "CreateMultipartUpload"
         if "uploadId" in q:
             if m == "PUT":
-                return "UploadPart"
+                return "UploadPartCopy" if self.copy_source else "UploadPart"
             return {"POST": "CompleteMultipartUpload", "DELETE": "AbortMultipartUpload"}.get(
                 m, "ListParts"
             )
         if m == "GET" and ("list-type" in q or self.path.count("/") == 1):
             return "ListObjectsV2"
+        if m == "PUT" and self.copy_source:
+            return "CopyObject"
         return {"GET": "GetObject", "HEAD": "HeadObject", "PUT": "PutObject"}.get(m, "DeleteObject")
 
 
@@ -224,7 +228,8 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
         url = urllib.parse.urlsplit(self.path)
-        req = Request(self.command, url.path, urllib.parse.parse_qs(url.query, True), body)
+        query = urllib.parse.parse_qs(url.query, True)
+        req = Request(self.command, url.path, query, body, self.headers.get("x-amz-copy-source"))
         fault = self.server.record(req)
         if fault is not None:
             self._send_error(fault)

@@ -148,6 +148,14 @@ class Storage(ABC):
         the bytes), which also lets a retried request recognise its own lost success."""
         raise NotImplementedError(f"{type(self).__name__} has no versioned files")
 
+    @abstractmethod
+    def copy_file(self, src: str, dst: str) -> None:
+        """Copy file `src` to `dst` (both in this back end), create-only: an existing `dst`
+        raises `FileExistsError` and is left as it was; a missing `src` `FileNotFoundError`.
+        No byte passes through this process where the store can avoid it: a hard link on a
+        filesystem (a byte copy where links are refused), a server-side copy on object stores.
+        Checkpoint files are never changed after they are written, so a link is a copy."""
+
     def upload_many(self, pairs: list[tuple[Path, str]], *, overwrite: bool = True) -> None:
         """Upload several files (in parallel where the back end can); the first error raises."""
         for local, location in pairs:

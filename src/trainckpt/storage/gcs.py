@@ -214,6 +214,46 @@ class GCSStorage(RemoteStorage):
             return current.version
         raise CheckpointExistsError(f"'{location}' was changed by another writer")
 
+    def copy_file(self, src: str, dst: str) -> None:
+        """A server-side rewrite (as many calls as GCS needs for a large object), create-only
+        (`if_generation_match=0`); the copy's CRC32C must equal the source's. Emulators that
+        ignore the precondition on rewrites (fake-gcs-server) are covered by a look-up of `dst`
+        first, which two racing copies can both pass."""
+        source = self._blob(src)
+        target = self._blob(dst)
+        with _gcs_errors("reading", src, self.options):
+            source.reload(retry=self.retry, timeout=self.timeout)  # NotFound: src is missing
+        if self.exists(dst):
+            raise CheckpointExistsError(
+                f"cannot copy '{src}' to '{dst}': the target exists; remove it first"
+            )
+        token: str | None = None
+        try:
+            while True:
+                with _gcs_errors("writing", dst, self.options):
+                    token, _, _ = target.rewrite(
+                        source,
+                        token=token,
+                        if_generation_match=0,
+                        retry=self.retry,
+                        timeout=self.timeout,
+                    )
+                if token is None:
+                    break
+        except CheckpointExistsError:
+            # A retried rewrite finds its own copy; anything else there is another file.
+            if self._entry(dst) != self._entry(src):
+                raise CheckpointExistsError(
+                    f"cannot copy '{src}' to '{dst}': the target exists; remove it first"
+                ) from None
+            log.info("'%s' already holds a copy of '%s' (a retried copy); keeping it", dst, src)
+            return
+        if target.crc32c != source.crc32c or target.size != source.size:
+            raise StorageError(
+                f"the server-side copy of '{src}' to '{dst}' differs from its source "
+                f"(CRC32C {target.crc32c} vs {source.crc32c}); delete '{dst}' and retry"
+            )
+
     def upload_many(self, pairs: list[tuple[Path, str]], *, overwrite: bool = True) -> None:
         self._in_parallel(lambda pair: self.upload(pair[0], pair[1], overwrite=overwrite), pairs)
 

@@ -237,6 +237,9 @@ class HTTPStorage(RemoteStorage):
         for location in locations:
             raise self._read_only(location)
 
+    def copy_file(self, src: str, dst: str) -> None:
+        raise self._read_only(dst)
+
     @staticmethod
     def _read_only(location: str) -> ConfigurationError:
         return ConfigurationError(

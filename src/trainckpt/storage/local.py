@@ -39,6 +39,13 @@ _WRITE_ADVICE = {
 }
 
 
+_NO_LINK = frozenset(
+    {errno.EXDEV, errno.EPERM, errno.EACCES, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK}
+)
+"""Why `os.link` may refuse where a byte copy still works: another filesystem, a filesystem
+without hard links (some FUSE and SMB mounts, or links forbidden by policy), too many links."""
+
+
 def write_failure(path: str | Path, e: OSError, verb: str = "write") -> StorageError:
     """The `StorageError` for a failed write (or `verb`: delete, rename) of `path`: what
     failed and what to do."""
@@ -266,6 +273,39 @@ class LocalStorage(Storage):
             finally:
                 tmp.unlink(missing_ok=True)
             fsync_dir(target.parent)
+
+    def copy_file(self, src: str, dst: str) -> None:
+        """A hard link when the filesystem allows one, else a byte copy (published create-only,
+        as `upload` does)."""
+        target = Path(dst)
+        if not os.path.isfile(src):
+            raise CheckpointNotFoundError(f"cannot copy '{src}': it does not exist (as a file)")
+        with writing(target):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                self._link_or_copy(Path(src), target)
+            except FileExistsError as e:
+                raise CheckpointExistsError(
+                    f"cannot copy '{src}' to '{dst}': the target exists; remove it first"
+                ) from e
+            fsync_dir(target.parent)
+
+    def _link_or_copy(self, src: Path, target: Path) -> None:
+        try:
+            os.link(src, target)
+            return
+        except OSError as e:
+            if e.errno not in _NO_LINK:
+                raise
+            log.debug("'%s' cannot be linked (%s); copying its bytes", src, e.strerror)
+        tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            shutil.copyfile(src, tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            self._publish(tmp, target, overwrite=False)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     @staticmethod
     def _publish(tmp: Path, target: Path, *, overwrite: bool) -> None:

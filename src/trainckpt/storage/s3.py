@@ -45,6 +45,8 @@ MAX_PARTS = 10_000
 """Most parts one multipart upload may have (an S3 limit)."""
 MIN_PART_SIZE = 5 * MiB
 """Smallest part but the last that S3 accepts."""
+MAX_COPY_SIZE = 5 * 1024 * MiB
+"""Largest object one `CopyObject` may copy (an S3 limit); larger ones are copied in parts."""
 
 T = TypeVar("T")
 
@@ -60,14 +62,17 @@ class S3Storage(RemoteStorage):
         *,
         multipart_threshold: int = 64 * MiB,
         part_size: int = 32 * MiB,
+        copy_threshold: int = MAX_COPY_SIZE,
     ) -> None:
         """`multipart_threshold`: files at least this large go up in parts of `part_size`
-        (raised when needed to stay within S3's 10,000 parts)."""
+        (raised when needed to stay within S3's 10,000 parts); `copy_threshold`: files at least
+        this large are copied in parts of `part_size` too."""
         if part_size < MIN_PART_SIZE:
             raise ValueError(f"part_size must be at least {MIN_PART_SIZE} bytes (S3's minimum)")
         super().__init__(options)
         self.multipart_threshold = multipart_threshold
         self.part_size = part_size
+        self.copy_threshold = min(copy_threshold, MAX_COPY_SIZE)
         self._client: BaseClient | None = None
         self._client_lock = threading.Lock()
 
@@ -256,29 +261,45 @@ class S3Storage(RemoteStorage):
         return str(head.get("ETag", "")).strip('"')
 
     def _upload_multipart(self, local: Path, size: int, location: str, overwrite: bool) -> None:
-        """Create, send parts in parallel, complete (create-only unless `overwrite`); abort on
-        any failure so no invisible parts are left to pay for."""
+        """A multipart upload of `local` whose parts S3 checks (CRC32) where the client asks
+        for checksums, as boto3's own uploads do."""
+        checksum = self.client.meta.config.request_checksum_calculation == "when_supported"
+
+        def upload_part(bucket: str, key: str, upload_id: str, number: int, part_size: int) -> Any:
+            with open(local, "rb") as f:
+                f.seek((number - 1) * part_size)
+                data = f.read(part_size)
+            return self.client.upload_part(
+                Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=data
+            )
+
+        extra = {"ChecksumAlgorithm": "CRC32"} if checksum else {}
+        self._multipart(location, size, overwrite, upload_part, extra)
+
+    def _multipart(
+        self,
+        location: str,
+        size: int,
+        overwrite: bool,
+        send_part: Callable[[str, str, str, int, int], Any],
+        create_extra: dict[str, Any],
+    ) -> None:
+        """Create, send parts in parallel (`send_part(bucket, key, upload_id, number,
+        part_size)` sends one), complete (create-only unless `overwrite`); abort on any failure
+        so no invisible parts are left to pay for."""
         bucket, key = self._object(location)
         part_size = max(self.part_size, -(-size // MAX_PARTS))
-        checksum = self.client.meta.config.request_checksum_calculation == "when_supported"
-        create: dict[str, Any] = {"Bucket": bucket, "Key": key}
-        if checksum:
-            create["ChecksumAlgorithm"] = "CRC32"  # S3 checks each part, as boto3's uploads do
+        create: dict[str, Any] = {"Bucket": bucket, "Key": key, **create_extra}
         upload_id = self._call(
             "writing", location, lambda: self.client.create_multipart_upload(**create)
         )["UploadId"]
-        parts: list[dict[str, Any]] = [{} for _ in range(-(-size // part_size))]
+        parts: list[dict[str, Any]] = [{} for _ in range(max(1, -(-size // part_size)))]
 
         def send(number: int) -> None:
-            def upload_part() -> dict[str, Any]:
-                with open(local, "rb") as f:
-                    f.seek((number - 1) * part_size)
-                    data = f.read(part_size)
-                return self.client.upload_part(
-                    Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=data
-                )
-
-            answer = self._call("writing", location, upload_part)
+            answer = self._call(
+                "writing", location, lambda: send_part(bucket, key, upload_id, number, part_size)
+            )
+            answer = answer.get("CopyPartResult", answer)
             part = {"PartNumber": number, "ETag": answer["ETag"]}
             if "ChecksumCRC32" in answer:
                 part["ChecksumCRC32"] = answer["ChecksumCRC32"]
@@ -299,6 +320,55 @@ class S3Storage(RemoteStorage):
         except BaseException:
             self._abort(bucket, key, upload_id, location)
             raise
+
+    def copy_file(self, src: str, dst: str) -> None:
+        """A server-side copy: one `CopyObject` below `copy_threshold` bytes, else a multipart
+        upload of `UploadPartCopy` parts; create-only (`If-None-Match: *`). Stores that ignore
+        that header on copies (moto; some S3-compatible stores) are covered by a look-up of
+        `dst` first, which two racing copies can both pass."""
+        src_bucket, src_key = self._object(src)
+        bucket, key = self._object(dst)
+        head = self._call(
+            "reading", src, lambda: self.client.head_object(Bucket=src_bucket, Key=src_key)
+        )
+        size, etag = int(head["ContentLength"]), str(head.get("ETag", "")).strip('"')
+        if self.exists(dst):
+            raise CheckpointExistsError(
+                f"cannot copy '{src}' to '{dst}': the target exists; remove it first"
+            )
+        source = {"Bucket": src_bucket, "Key": src_key}
+        attempts = 0
+
+        def copy() -> Any:
+            nonlocal attempts
+            attempts += 1
+            return self.client.copy_object(
+                Bucket=bucket, Key=key, CopySource=source, IfNoneMatch="*"
+            )
+
+        def copy_part(bucket: str, key: str, upload_id: str, number: int, part_size: int) -> Any:
+            first = (number - 1) * part_size
+            last = min(size, first + part_size) - 1
+            return self.client.upload_part_copy(
+                Bucket=bucket,
+                Key=key,
+                UploadId=upload_id,
+                PartNumber=number,
+                CopySource=source,
+                CopySourceRange=f"bytes={first}-{last}",
+            )
+
+        try:
+            if size < self.copy_threshold:
+                self._call("writing", dst, copy)
+            else:
+                self._multipart(dst, size, False, copy_part, {})
+        except CheckpointExistsError:
+            if attempts > 1 and self._etag(dst) == etag:
+                return  # an earlier attempt made this copy but its answer was lost
+            raise CheckpointExistsError(
+                f"cannot copy '{src}' to '{dst}': the target exists; remove it first"
+            ) from None
 
     def _abort(self, bucket: str, key: str, upload_id: str, location: str) -> None:
         try:
