@@ -12,6 +12,7 @@ import olmo_core.train.checkpoint as olmo_checkpoint
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from support.lora import BASE, BASE_BYTES, copy_of, lora_module, train
 from support.models import assert_same_state
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -26,26 +27,6 @@ from trainckpt import (
 from trainckpt.cli.main import main
 from trainckpt.format.item_record import SAVE_ID_PREFIX
 
-BASE = 1024  # the frozen base: 1024x1024 floats, ~97% of the saved bytes
-
-
-def lora_module(seed: int = 0) -> ModelAndOptim:
-    """A frozen base (not in the optimizer) and a small trained adapter."""
-    torch.manual_seed(seed)
-    base = torch.nn.Linear(BASE, BASE)
-    base.requires_grad_(False)
-    model = torch.nn.Sequential(base, torch.nn.Linear(BASE, 4))
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    return ModelAndOptim(model, torch.optim.AdamW(trainable, lr=1e-2))
-
-
-def train(module: ModelAndOptim, step: int) -> None:
-    gen = torch.Generator().manual_seed(step)
-    module.model(torch.randn(8, BASE, generator=gen)).square().sum().backward()
-    assert module.optim is not None
-    module.optim.step()
-    module.optim.zero_grad()
-
 
 def shards(path: str | Path) -> dict[str, os.stat_result]:
     folder = Path(path) / "model_and_optim"
@@ -56,14 +37,6 @@ def linked(a: str | Path, b: str | Path) -> set[str]:
     """Names of the shard files of `b` that are the same file (inode) as one of `a`."""
     inodes = {s.st_ino for s in shards(a).values()}
     return {name for name, s in shards(b).items() if s.st_ino in inodes}
-
-
-def copy_of(module: ModelAndOptim) -> ModelAndOptim:
-    dst = lora_module(seed=99)
-    dst.model.load_state_dict(module.model.state_dict())
-    assert dst.optim is not None and module.optim is not None
-    dst.optim.load_state_dict(module.optim.state_dict())
-    return dst
 
 
 @pytest.fixture
@@ -81,15 +54,14 @@ def test_unchanged_files_are_hard_links_and_each_checkpoint_loads_alone(run, tmp
         ckpt.save(folder / f"step{step}", module, {"step": step})
         saved.append(copy_of(module))
 
-    base_bytes = (BASE * BASE + BASE) * 4
     # From the second save on, the frozen base is linked, not written: new bytes are the
     # adapter, its optimizer state and records, far below the base's.
     for prev, new in (("step1", "step2"), ("step2", "step3")):
         reused = linked(folder / prev, folder / new)
         assert reused, f"{new} took no file over from {prev}"
         fresh = sum(s.st_size for n, s in shards(folder / new).items() if n not in reused)
-        assert sum(shards(folder / new)[n].st_size for n in reused) >= base_bytes
-        assert fresh < base_bytes / 10
+        assert sum(shards(folder / new)[n].st_size for n in reused) >= BASE_BYTES
+        assert fresh < BASE_BYTES / 10
     assert linked(folder / "step1", folder / "step3")  # the same file, three names
 
     # Each checkpoint alone: the others deleted (commit record first, as prune does).
@@ -213,18 +185,26 @@ def test_off_switch_writes_every_file(tmp_path):
     assert all(s.st_nlink == 1 for s in shards(tmp_path / "step2").values())
 
 
-def test_async_saves_through_the_writer_process_link_too(tmp_path):
-    ckpt = CheckpointerConfig(work_dir=tmp_path / "work", async_writer="process").build()
+def test_async_saves_hash_the_staged_copy(tmp_path):
+    """`save_async` returns once staged; the trainer then changes the base in place: the save
+    holds (and its successor links only what matches) the state as staged."""
+    ckpt = CheckpointerConfig(work_dir=tmp_path / "work").build()
     module = lora_module()
     try:
-        for step in (1, 2):
-            train(module, step)
-            ckpt.save_async(tmp_path / f"step{step}", module, {"step": step}).result()
+        train(module, 1)
+        ckpt.save(tmp_path / "step1", module, {"step": 1})
+        staged = copy_of(module)
+        future = ckpt.save_async(tmp_path / "step2", module, {"step": 2})
+        with torch.no_grad():
+            module.model[0].weight.mul_(-1.0)  # while step2 may still be writing
+        future.result()
+        ckpt.save(tmp_path / "step3", module, {"step": 3})
     finally:
         ckpt.close()
     assert linked(tmp_path / "step1", tmp_path / "step2")
-    dst = lora_module(seed=5)
-    reader = CheckpointerConfig(work_dir=tmp_path / "work2").build()
-    reader.load(tmp_path / "step2", dst)
-    reader.close()
-    assert_same_state(module, dst)
+    for step, expected in ((2, staged), (3, module)):
+        dst = lora_module(seed=5)
+        reader = CheckpointerConfig(work_dir=tmp_path / "work2").build()
+        reader.load(tmp_path / f"step{step}", dst)
+        reader.close()
+        assert_same_state(expected, dst)

@@ -38,7 +38,6 @@ from trainckpt.format import item_record
 from trainckpt.format.content_hash import bytes_digest, tensor_digest, tensor_kind
 from trainckpt.storage import Storage
 from trainckpt.storage.checksums import FileEntry
-from trainckpt.storage.local import fsync_dir, writing
 
 if TYPE_CHECKING:  # DCP loads with the first save; `History` is built with the Checkpointer
     from torch.distributed.checkpoint.planner import WriteItem
@@ -136,11 +135,10 @@ class Session:
     through `reuse`, and records what it wrote in `history` (`record`). `prefix`: the DCP
     folder relative to the checkpoint folder ("" or "model_and_optim/")."""
 
-    def __init__(self, history: History, reuse: Reuse, prefix: str, *, durable: bool) -> None:
+    def __init__(self, history: History, reuse: Reuse, prefix: str) -> None:
         self.history = history
         self.reuse = reuse
         self.prefix = prefix
-        self.durable = durable
         self._keys: dict[object, tuple[Hashable, bytes | None]] = {}  # DCP index -> key, hash
         history.begin()
 
@@ -233,12 +231,6 @@ class Session:
 
         with ThreadPoolExecutor(max(1, threads), thread_name_prefix="trainckpt-reuse") as pool:
             placed = [f for f, ok in zip(files, pool.map(place, files), strict=True) if ok]
-        if placed and self.durable and self.reuse.storage.atomic_rename:
-            folder = self.reuse.storage.local_path(
-                self.reuse.storage.join(self.reuse.into, placed[0].rel)
-            )
-            with writing(folder.parent):
-                fsync_dir(folder.parent)
         log.info(
             "incremental save: took over %d of %d unchanged file(s) (%.1f MB) from '%s'",
             len(placed),

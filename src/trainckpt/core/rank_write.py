@@ -135,7 +135,7 @@ class TrainingFiles:
             session = (
                 None
                 if self.history is None or to.reuse is None
-                else Session(self.history, to.reuse, prefix, durable=to.durable)
+                else Session(self.history, to.reuse, prefix)
             )
             entries.update(
                 save_state(
