@@ -38,12 +38,18 @@ CLAIM_LEASE = 2.0
 step of a killed save over after 2 s instead of the default 30 s."""
 
 
+FROZEN_ENV = "TRAINCKPT_TEST_FROZEN_FIRST_LAYER"
+"""Set (in the run's `env` and the test's environment): the first layer is frozen (not in the
+optimizer), so from the second save of a run on, incremental saves link its files."""
+
+
 def new_module() -> ModelAndOptim:
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(WIDTH, 2 * WIDTH), torch.nn.Linear(2 * WIDTH, WIDTH)
     )
-    return ModelAndOptim(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    trained = model[1].parameters() if os.environ.get(FROZEN_ENV) else model.parameters()
+    return ModelAndOptim(model, torch.optim.AdamW(trained, lr=1e-3))
 
 
 def train_step(module: ModelAndOptim, step: int) -> None:
@@ -60,18 +66,18 @@ def trainer_state(step: int) -> dict[str, Any]:
     return {"step": step, "marker": torch.arange(8) * step, "note": f"step {step}"}
 
 
-_reference: list[Any] = [0, None]  # (step, module) of the last `reference` answer
+_reference: list[Any] = [0, None, None]  # (step, module, frozen) of the last answer
 
 
 def reference(step: int) -> ModelAndOptim:
     """The model and optimizer an uninterrupted run holds after `step` steps (read-only: the
     answer is cached and advanced by the next call with a later step)."""
-    done, module = _reference
-    if module is None or done > step:
+    done, module, frozen = _reference
+    if module is None or done > step or frozen != os.environ.get(FROZEN_ENV):
         done, module = 0, new_module()
     for s in range(done + 1, step + 1):
         train_step(module, s)
-    _reference[:] = [step, module]
+    _reference[:] = [step, module, os.environ.get(FROZEN_ENV)]
     return module
 
 
@@ -430,6 +436,9 @@ def _scrambled() -> ModelAndOptim:
     """A module of the right shape holding values no checkpoint has."""
     module = new_module()
     train_step(module, 10_000)
+    with torch.no_grad():  # a frozen layer too
+        for p in module.model.parameters():
+            p.add_(1.0)
     return module
 
 
