@@ -11,12 +11,15 @@ model and optimizer are zeroed before it and must match the saved state after it
     python scripts/bench.py --size-mb 64 --repeats 1 --no-gcs --json out.json
     python scripts/bench.py --training-only --train-size-mb 600 --repeats 5
     python scripts/bench.py --scale --json scale.json   # bookkeeping at scale only
+    python scripts/bench.py --incremental --json inc.json   # three saves of a frozen base
 
 The GCS part runs against fake-gcs-server on 127.0.0.1 (`scripts/bench_gcs.py`); the last part
 trains a small model while each contender saves in the background (`scripts/bench_train.py`);
 the node-local tier part runs 2 ranks with their own local folders (`scripts/bench_local.py`).
 `--scale` runs only the bookkeeping-at-scale part instead (`scripts/bench_scale.py`): states of
 many small entries, and simulated many-rank inputs to the functions rank 0 and every rank run.
+`--incremental` runs only the incremental part instead (`scripts/bench_incremental.py`): three
+saves of a model whose frozen base holds most of the bytes, against the peers and on GCS.
 """
 
 from __future__ import annotations
@@ -476,6 +479,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--scale", action="store_true", help="run only the bookkeeping-at-scale part")
     p.add_argument(
+        "--incremental",
+        action="store_true",
+        help="run only the incremental part: three saves of a mostly frozen model",
+    )
+    p.add_argument(
+        "--incremental-size-mb", type=float, default=400.0, help="--incremental: frozen base size"
+    )
+    p.add_argument(
         "--scale-entries",
         default="2000,16000,64000",
         help="--scale: state sizes in entries (comma-separated)",
@@ -496,7 +507,14 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="trainckpt-bench-", dir=args.dir))
     report: dict[str, Any] = {"machine": machine(root), "notes": []}
     try:
-        if args.scale:
+        if args.incremental:
+            from bench_incremental import bench_incremental
+
+            report["incremental"] = bench_incremental(
+                args.incremental_size_mb, root, args.repeats, gcs=not args.no_gcs
+            )
+            report["notes"] += report["incremental"]["notes"]
+        elif args.scale:
             from bench_scale import bench_scale
 
             report["scale"] = bench_scale(
@@ -509,14 +527,18 @@ def main(argv: list[str] | None = None) -> int:
             report["notes"] += report["scale"]["entries"]["notes"]
         elif not args.training_only:
             _bench(args, root, report)
-        if not args.no_training and not args.scale:
+        if not args.no_training and not args.scale and not args.incremental:
             report["training"] = bench_training(
                 args.train_size_mb, args.repeats, root / "training", args.train_only
             )
             report["notes"] += report["training"]["notes"]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    if args.scale:
+    if args.incremental:
+        from bench_incremental import targets as incremental_targets
+
+        report["targets"] = incremental_targets(report["incremental"])
+    elif args.scale:
         from bench_scale import scale_targets
 
         report["targets"] = scale_targets(report["scale"])
@@ -546,11 +568,14 @@ def _bench(args: argparse.Namespace, root: Path, report: dict[str, Any]) -> None
         flush=True,
     )
 
-    ckpt = CheckpointerConfig(work_dir=root / "work").build()
+    # incremental=False: every repeat saves the same, unchanged state; each must write it all
+    ckpt = CheckpointerConfig(work_dir=root / "work", incremental=False).build()
     closing = [ckpt]
     wanted = set(args.only.split(",")) if args.only else set(CONTENDERS)
     if "process" in wanted:  # built first: its writer process starts while the others run
-        writer = CheckpointerConfig(work_dir=root / "work-process", async_writer="process")
+        writer = CheckpointerConfig(
+            work_dir=root / "work-process", async_writer="process", incremental=False
+        )
         closing.append(writer.build())
     contenders = []
     notes = report["notes"]

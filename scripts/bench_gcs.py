@@ -72,7 +72,8 @@ def _reset_olmo_client() -> None:
 
 
 def _contenders(module: Any, work: Path) -> dict[str, tuple[Callable[[str], None], ...]]:
-    ckpt = CheckpointerConfig(work_dir=work / "trainckpt").build()
+    # incremental=False: every repeat saves the same, unchanged state; each must write it all
+    ckpt = CheckpointerConfig(work_dir=work / "trainckpt", incremental=False).build()
     out: dict[str, tuple[Callable[[str], None], ...]] = {
         "trainckpt": (
             lambda d: ckpt.save(d, module, TRAIN_STATE) and None,

@@ -156,7 +156,7 @@ def bench_entries(sizes: list[int], repeats: int, root: Path) -> dict[str, Any]:
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     results: dict[str, dict[str, Any]] = {}
     notes: list[str] = []
-    ckpt = CheckpointerConfig(work_dir=root / "scale-work").build()
+    ckpt = CheckpointerConfig(work_dir=root / "scale-work", incremental=False).build()
     try:
         for size in sizes:
             module = make_moe(size)

@@ -257,12 +257,14 @@ def _tensors(state: Any) -> list[torch.Tensor]:
 
 
 def make_contenders(
-    keys: list[str], module: ModelAndOptim, root: Path, group: Any
+    keys: list[str], module: ModelAndOptim, root: Path, group: Any, incremental: bool = False
 ) -> tuple[list[Contender], list[str]]:
-    """The contenders named by `keys` (those that can run here) and notes on the others."""
+    """The contenders named by `keys` (those that can run here) and notes on the others.
+    trainckpt's saves are `incremental` (off by default: the repeats save one unchanged state,
+    and each must write it all)."""
     contenders: list[Contender] = []
     notes: list[str] = []
-    ckpt = CheckpointerConfig(work_dir=root / "work").build()
+    ckpt = CheckpointerConfig(work_dir=root / "work", incremental=incremental).build()
     writer: Checkpointer | None = None  # async_writer="process"
     for key in keys:
         if key in FLOORS:
@@ -272,7 +274,7 @@ def make_contenders(
             overlap, process = TRAINCKPT_MODES[key]
             if process and writer is None:
                 writer = CheckpointerConfig(
-                    work_dir=root / "work-process", async_writer="process"
+                    work_dir=root / "work-process", async_writer="process", incremental=incremental
                 ).build()
             saver = writer if process else ckpt
             assert saver is not None

@@ -89,6 +89,25 @@ def test_bench_scale_runs_and_prints_its_tables(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == [out]
 
 
+@pytest.mark.slow
+def test_bench_incremental_runs_and_prints_its_table(tmp_path: Path) -> None:
+    """`--incremental` on a tiny frozen base: three saves per contender, each with its bytes
+    written; from the second on, trainckpt writes (and uploads to GCS) only a sliver of it."""
+    out = tmp_path / "inc.json"
+    args = ["--incremental", "--incremental-size-mb", "8", "--repeats", "1"]
+    args += ["--dir", str(tmp_path), "--json", str(out)]
+    run = _bench(args)
+    inc = json.loads(out.read_text())["incremental"]
+    ours = inc["local"]["trainckpt save_async (incremental)"]
+    assert [r["save"] for r in ours] == [1, 2, 3]
+    assert ours[0]["bytes_written"] > inc["frozen_bytes"]
+    assert all(r["bytes_written"] < inc["frozen_bytes"] / 4 for r in ours[1:])
+    assert all(r["bytes_uploaded"] < inc["frozen_bytes"] / 4 for r in inc["gcs"]["trainckpt"][1:])
+    assert {"DCP async_save (thread)", "OLMo-core save_async"} <= set(inc["local"])
+    assert "target save 2: bytes" in run.stdout and "target fully trained" in run.stdout
+    assert list(tmp_path.iterdir()) == [out]
+
+
 def _bench(args: list[str]) -> subprocess.CompletedProcess[str]:
     """Run scripts/bench.py with `args`; it must exit 0."""
     run = subprocess.run(

@@ -1,0 +1,339 @@
+"""The incremental part of the benchmark (`python scripts/bench.py --incremental`).
+
+A fine-tune: a stack of frozen square layers (the base, most of the bytes; not in the
+optimizer) with small trained low-rank adapters. Three consecutive saves of one run, one
+optimizer step of the adapters before each, while a small model trains on one thread (the
+training loop of `bench_train.py`, which measures the time a save costs it). Per save and
+contender:
+
+- bytes written: the data blocks of files that are new in this checkpoint (a file hard-linked
+  from an earlier checkpoint of the run counts nothing), after `sync`, from `st_blocks`;
+- save time: from the call until the checkpoint is committed (async saves: its future);
+- time lost to training: the blocking time plus the extra time of the steps during the save.
+
+Contenders: trainckpt `save_async` (incremental, the default), DCP `async_save`, OLMo-core's
+`save_async`, `torch_checkpointing` (no fsync), and "changed only": trainckpt writing the
+adapters and their optimizer state alone (a trainable-only save, not self-contained), the
+reference the targets compare with. Then, on fake-gcs-server behind a byte-counting proxy,
+three synchronous saves by trainckpt and OLMo-core: bytes uploaded per save. Last, the
+no-regression check: a fully trained state (nothing unchanged) saved twice with incremental on
+and off. The first save of each contender includes its start-up (a writer process to spawn).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import Timer, make_module, state_tensors  # noqa: E402
+from bench_train import (  # noqa: E402
+    TRAIN_STATE,
+    Contender,
+    Save,
+    Trainer,
+    init_one_rank_group,
+    make_contenders,
+    one_save,
+)
+
+from trainckpt import CheckpointerConfig, ModelAndOptim  # noqa: E402
+
+WIDTH = 1024
+RANK = 8  # adapters: 2 * 8 / 1024 of the base's parameters, with 2 AdamW moments each
+PEERS = ("dcp-thread", "olmo", "torch-checkpointing")
+LABELS = {
+    "async": "trainckpt save_async (incremental)",
+    "changed-only": "changed only (trainckpt, adapters alone)",
+    "dcp-thread": "DCP async_save (thread)",
+    "olmo": "OLMo-core save_async",
+    "torch-checkpointing": "torch_checkpointing (no fsync)",
+}
+
+
+class LoraStack(torch.nn.Module):
+    """Frozen square layers, each with a trained low-rank adapter (`adapters`)."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.base = torch.nn.ModuleList(
+            torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)
+        )
+        self.base.requires_grad_(False)
+        self.adapters = torch.nn.ModuleList(
+            torch.nn.Sequential(
+                torch.nn.Linear(WIDTH, RANK, bias=False), torch.nn.Linear(RANK, WIDTH, bias=False)
+            )
+            for _ in range(layers)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for base, adapter in zip(self.base, self.adapters, strict=True):
+            x = base(x) + adapter(x)
+        return x
+
+
+def make_lora(size_mb: float) -> tuple[ModelAndOptim, ModelAndOptim]:
+    """The whole module (base + adapters, `size_mb` MB of frozen base) and a view of the
+    adapters alone with the same optimizer (what a trainable-only save writes)."""
+    torch.manual_seed(0)
+    layers = max(1, round(size_mb * 1e6 / (WIDTH * WIDTH * 4)))
+    model = LoraStack(layers)
+    optim = torch.optim.AdamW(model.adapters.parameters(), lr=1e-3)
+    return ModelAndOptim(model, optim), ModelAndOptim(model.adapters, optim)
+
+
+def adapter_step(module: ModelAndOptim, seed: int) -> None:
+    """One optimizer step of the adapters (the base stays as it is)."""
+    gen = torch.Generator().manual_seed(seed)
+    for p in module.model.parameters():
+        if p.requires_grad:
+            p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+    assert module.optim is not None
+    module.optim.step()
+    module.optim.zero_grad(set_to_none=True)
+
+
+def new_bytes(folder: Path, seen: set[tuple[int, int]]) -> int:
+    """Data blocks (bytes) of the files under `folder` not `seen` (device, inode) before."""
+    total = 0
+    for path in folder.rglob("*"):
+        st = path.lstat()
+        if path.is_file() and (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_blocks * 512
+    return total
+
+
+def _changed_only(adapters: ModelAndOptim, root: Path) -> Contender:
+    ckpt = CheckpointerConfig(work_dir=root / "work-changed", incremental=False).build()
+
+    def start(folder: Path) -> Save:
+        save = Save()
+        save.follow(ckpt.save_async(folder, adapters, TRAIN_STATE))
+        return save
+
+    return Contender("changed-only", start, ckpt.close)
+
+
+def _local_runs(size_mb: float, root: Path, warm_steps: int) -> tuple[dict[str, Any], list[str]]:
+    """Three saves per contender; returns per label the rows of each save, and notes."""
+    group = init_one_rank_group()
+    module, adapters = make_lora(size_mb)
+    initial = (
+        {k: v.clone() for k, v in module.model.state_dict().items()},
+        module.optim.state_dict() if module.optim else None,
+    )
+    keys = ["async", *PEERS]
+    contenders, notes = make_contenders(keys, module, root, group, incremental=True)
+    contenders.insert(1, _changed_only(adapters, root))
+    trainer = Trainer()
+    for _ in range(5):  # first steps allocate
+        trainer.step()
+    out: dict[str, Any] = {}
+    try:
+        for c in contenders:
+            module.model.load_state_dict(initial[0])  # every contender saves the same states
+            assert module.optim is not None
+            module.optim.state.clear()
+            seen: set[tuple[int, int]] = set()
+            rows = []
+            for n in (1, 2, 3):
+                adapter_step(module, n)
+                os.sync()
+                folder = root / c.key / f"step{n}"
+                s = one_save(trainer, c, folder, warm_steps)
+                os.sync()
+                rows.append(
+                    {
+                        "save": n,
+                        "bytes_written": new_bytes(folder, seen),
+                        "save_s": s.committed,
+                        "blocked_s": s.blocked,
+                        "lost_s": s.lost,
+                    }
+                )
+                r = rows[-1]
+                print(
+                    f"  {LABELS[c.key]} save {n}: wrote {r['bytes_written'] / 1e6:.1f} MB, "
+                    f"committed {r['save_s']:.2f}s, training lost {r['lost_s']:.2f}s",
+                    flush=True,
+                )
+            out[LABELS[c.key]] = rows
+            shutil.rmtree(root / c.key, ignore_errors=True)
+    finally:
+        for c in contenders:
+            c.close()
+    return out, notes
+
+
+def _gcs_runs(size_mb: float, root: Path) -> dict[str, Any]:
+    """Three synchronous saves by trainckpt and OLMo-core on fake-gcs-server: bytes uploaded
+    (request bodies through a counting proxy) and save time per save."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from bench_gcs import _reset_olmo_client, _serving
+    from support.servers import FakeGCS, GCSFaultProxy, use_emulator
+
+    class Counting(GCSFaultProxy):
+        sent = 0
+
+        def tamper(self, body: bytes) -> bytes:
+            self.sent += len(body)
+            return super().tamper(body)
+
+    server = FakeGCS(root).start()
+    out: dict[str, Any] = {}
+    try:
+        proxy = Counting(server)
+        with _serving(proxy):
+            use_emulator(proxy.url)
+            _reset_olmo_client()
+            bucket = f"gs://{server.create_bucket()}"
+            savers: dict[str, Any] = {
+                "trainckpt": CheckpointerConfig(work_dir=root / "gcs-work").build()
+            }
+            try:
+                from olmo_core.train.checkpoint import Checkpointer as OlmoCheckpointer
+
+                savers["OLMo-core"] = OlmoCheckpointer(work_dir=root / "gcs-olmo")
+            except ImportError:
+                pass
+            for name, saver in savers.items():
+                module, _ = make_lora(size_mb)
+                rows = []
+                for n in (1, 2, 3):
+                    adapter_step(module, n)
+                    before = proxy.sent
+                    with Timer() as t:
+                        saver.save(f"{bucket}/{name.lower()}/step{n}", module, TRAIN_STATE)
+                    rows.append(
+                        {"save": n, "bytes_uploaded": proxy.sent - before, "save_s": t.seconds}
+                    )
+                    sent = rows[-1]["bytes_uploaded"] / 1e6
+                    print(f"  GCS {name} save {n}: uploaded {sent:.1f} MB in {t.seconds:.2f}s")
+                out[name] = rows
+            savers["trainckpt"].close()
+    finally:
+        server.stop()
+        os.environ.pop("STORAGE_EMULATOR_HOST", None)
+    return out
+
+
+def _no_regression(size_mb: float, root: Path, repeats: int) -> dict[str, Any]:
+    """A fully trained state saved with incremental on and off: the second save of each pair
+    (the incremental one hashes everything and finds nothing unchanged), alternating."""
+    module = make_module(size_mb, seed=2)
+    samples: dict[str, list[float]] = {"on": [], "off": []}
+    for r in range(repeats):
+        for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):
+            ckpt = CheckpointerConfig(
+                work_dir=root / f"nr-work-{mode}", incremental=mode == "on"
+            ).build()
+            try:
+                folder = root / f"nr-{mode}-{r}"
+                ckpt.save(folder / "step1", module, TRAIN_STATE)
+                adapter_step(module, 100 + r)  # every parameter and moment changes
+                os.sync()
+                with Timer() as t:
+                    ckpt.save(folder / "step2", module, TRAIN_STATE)
+                samples[mode].append(t.seconds)
+                shutil.rmtree(folder)
+            finally:
+                ckpt.close()
+    on, off = statistics.median(samples["on"]), statistics.median(samples["off"])
+    print(f"  fully trained state, second save: incremental {on:.2f}s, off {off:.2f}s", flush=True)
+    return {"incremental_s": samples["on"], "off_s": samples["off"], "ratio": on / off}
+
+
+def bench_incremental(
+    size_mb: float, root: Path, repeats: int, gcs: bool = True, warm_steps: int = 5
+) -> dict[str, Any]:
+    """Run the incremental part; print its table and targets and return its numbers."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    work = Path(tempfile.mkdtemp(prefix="incremental-", dir=root))
+    try:
+        module, adapters = make_lora(size_mb)
+        state = sum(
+            t.numel() * t.element_size() for _, t in state_tensors(module.state_dict_to_save())
+        )
+        frozen = sum(p.numel() * p.element_size() for p in module.model.base.parameters())  # type: ignore[union-attr]
+        print(
+            f"\nincremental: {state / 1e6:.0f} MB of state, {100 * frozen / state:.1f}% frozen; "
+            f"load average {os.getloadavg()[0]:.2f}",
+            flush=True,
+        )
+        local, notes = _local_runs(size_mb, work, warm_steps)
+        report: dict[str, Any] = {
+            "state_bytes": state,
+            "frozen_bytes": frozen,
+            "load_average": os.getloadavg(),
+            "local": local,
+            "notes": notes,
+        }
+        if gcs:
+            report["gcs"] = _gcs_runs(size_mb, work)
+        report["fully_trained"] = _no_regression(min(size_mb, 200.0), work, repeats)
+        report["load_average_end"] = os.getloadavg()
+    finally:
+        torch.set_num_threads(threads)
+        shutil.rmtree(work, ignore_errors=True)
+    print()
+    print(table(report))
+    return report
+
+
+def table(report: dict[str, Any]) -> str:
+    head = f"{'contender':<42} {'save':>4} {'written MB':>11} {'save s':>8} {'lost s':>8}"
+    lines = [head, "-" * len(head)]
+    for label, rows in report["local"].items():
+        for r in rows:
+            lines.append(
+                f"{label:<42} {r['save']:>4} {r['bytes_written'] / 1e6:>11.1f} "
+                f"{r['save_s']:>8.2f} {r['lost_s']:>8.2f}"
+            )
+    for name, rows in report.get("gcs", {}).items():
+        for r in rows:
+            lines.append(
+                f"{'GCS ' + name + ' (uploaded MB)':<42} {r['save']:>4} "
+                f"{r['bytes_uploaded'] / 1e6:>11.1f} {r['save_s']:>8.2f} {'':>8}"
+            )
+    return "\n".join(lines)
+
+
+def targets(report: dict[str, Any]) -> list[str]:
+    """The issue's targets, from the second save on (ratios within this one run)."""
+    ours = report["local"][LABELS["async"]]
+    ref = report["local"].get(LABELS["changed-only"])
+    out = []
+    if ref is not None:
+        for r, c in zip(ours[1:], ref[1:], strict=True):
+            b = r["bytes_written"] / c["bytes_written"]
+            t = r["save_s"] / c["save_s"]
+            out.append(
+                f"target save {r['save']}: bytes {b:.2f}x changed-only (<= 1.1: "
+                f"{'ok' if b <= 1.1 else 'MISSED'}), time {t:.2f}x (<= 1.2: "
+                f"{'ok' if t <= 1.2 else 'MISSED'})"
+            )
+    gcs = report.get("gcs", {}).get("trainckpt")
+    if gcs is not None and ref is not None:
+        for r, c in zip(gcs[1:], ref[1:], strict=True):
+            b = r["bytes_uploaded"] / c["bytes_written"]
+            out.append(
+                f"target GCS save {r['save']}: uploaded {r['bytes_uploaded'] / 1e6:.1f} MB, "
+                f"{b:.2f}x the changed-only bytes, of {report['frozen_bytes'] / 1e6:.0f} MB "
+                f"frozen (no unchanged byte: {'ok' if b <= 1.1 else 'MISSED'})"
+            )
+    ratio = report["fully_trained"]["ratio"]
+    out.append(
+        f"target fully trained: incremental {ratio:.2f}x the time of incremental=False "
+        f"(no slower, within noise: {'ok' if ratio <= 1.05 else 'MISSED'})"
+    )
+    return out
