@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trainckpt.errors import CheckpointError
+from trainckpt.errors import CheckpointError, CheckpointNotFoundError
 from trainckpt.faults import fault_point
 from trainckpt.format import item_record
 from trainckpt.format.content_hash import bytes_digest, tensor_digest, tensor_kind
@@ -171,7 +171,7 @@ class Session:
                     candidates.append(f)
         layout = Layout(groups=[])
         placed = self._take_over(previous, candidates, threads) if previous else []
-        by_key = {key: item for item in items for key in [self._keys[item.index][0]]}
+        by_key = {self._keys[item.index][0]: item for item in items}
         taken: set[Hashable] = set()
         for f in placed:
             layout.reused_files[f.name] = f.entry
@@ -248,6 +248,9 @@ class Session:
         try:
             storage.copy_file(src, dst)
             _check(storage, dst, f)
+        except (CheckpointNotFoundError, FileNotFoundError) as e:  # deleted meanwhile
+            log.info("incremental save: writing '%s' anew: %s", dst, e)
+            return False
         except (CheckpointError, OSError) as e:
             log.warning(
                 "incremental save: writing '%s' anew, it could not be taken over: %s", dst, e
