@@ -52,3 +52,26 @@ def test_kill_during_a_save_that_links_then_restart(launcher, tmp_path, monkeypa
     assert check_checkpoints(folder) == [4, 5]
     assert _linked(folder / "step4", folder / "step5")
     assert not list(tmp_folders(folder))
+
+
+@pytest.mark.parametrize("point", ["reused-file", "before-commit-record"])
+def test_gcs_kill_during_a_save_that_copies_then_restart(
+    launcher, gcs_server, gcs_bucket, tmp_path, monkeypatch, point
+):
+    """On gs://: killed after the first server-side copy, or with every file copied or
+    uploaded and the manifest written; the restarted run clears the step and finishes."""
+    monkeypatch.setenv(FROZEN_ENV, "1")
+    url = f"{gcs_bucket}/run"
+    env = {**ENV, "STORAGE_EMULATOR_HOST": gcs_server.url, "NO_GCE_CHECK": "true"}
+    work = str(tmp_path / "work")
+
+    def start(last: int, **fault: object) -> int:
+        proc, _ = launcher.start(
+            str(tmp_path / "unused"), work, last, "sync", url=url, env=env, **fault
+        )
+        return finish(proc)
+
+    assert start(4, fault=point, fault_step=3) == -signal.SIGKILL
+    assert check_checkpoints(url, tmp_path / "check") == [1, 2]
+    assert start(5) == 0
+    assert check_checkpoints(url, tmp_path / "check") == [4, 5]
