@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 from support.crash_worker import (
     Launcher,
-    check_checkpoints,
     finish,
     new_module,
     rollback_run,
@@ -23,7 +22,7 @@ from support.crash_worker import (
     start_on_s3,
 )
 
-from trainckpt import CheckpointerConfig
+from trainckpt import Checkpointer, CheckpointerConfig
 from trainckpt.format.records import CheckpointManifest
 from trainckpt.format.verify import check_crcs
 from trainckpt.storage import resolve
@@ -55,43 +54,42 @@ def _trajectory(path: str, work: Path) -> str:
     return str(state.get("trajectory", "old"))
 
 
-def _replace_with_kills(launcher: Launcher, tmp_path: Path, url: str, env: dict[str, Any]) -> None:
+def _steps(url: str) -> list[int]:
+    return [s for s, _ in Checkpointer.find_checkpoints(url)]
+
+
+def _replace_with_kills(
+    launcher: Launcher, tmp_path: Path, url: str, env: dict[str, Any], points: list[str]
+) -> None:
+    """Roll back to step 1 and get killed at each of `points` in turn while the save of step 2
+    replaces the abandoned one (each run starts over from step 1); then resume from what the
+    finders report and finish."""
     work = str(tmp_path / "work")
-
-    def rollback(fault: str | None) -> int:
-        kw = {"fault": fault, "fault_step": 2} if fault else {}
-        proc, _ = launcher.start(url, work, 1, 3, target=rollback_run, env=env, **kw)
-        return finish(proc)
-
     step2, aside = f"{url}/step2", f"{url}/step2-replaced"
-    # Roll back to step 1; killed while the old step 2 is being copied aside.
-    assert rollback("copying-aside") == -signal.SIGKILL
-    assert check_checkpoints(url, tmp_path / "check") == [1]
-    assert ".abandoned.json" in _files(step2) and _whole(step2)  # the old one, untouched
-    assert ".abandoned.json" not in _files(aside)  # an incomplete copy, not the old folder
+    for point in points:
+        proc, _ = launcher.start(
+            url, work, 1, 2, fault=point, fault_step=2, target=rollback_run, env=env
+        )
+        assert finish(proc) == -signal.SIGKILL, f"the fault point '{point}' was not reached"
+        if point == "copying-aside":  # the old one untouched; an incomplete copy beside it
+            assert _steps(url) == [1]
+            assert ".abandoned.json" in _files(step2) and _whole(step2)
+            assert ".abandoned.json" not in _files(aside)
+        elif point == "replacing":  # the old one whole aside and gone from its prefix
+            assert _steps(url) == [1]
+            assert _files(step2) <= {".claim"}
+            assert ".abandoned.json" in _files(aside) and _whole(aside)
+        else:  # "replaced": the new one committed, the old one still whole aside
+            assert _steps(url) == [1, 2]
+            assert _whole(aside) and ".metadata.json" not in _files(aside)
 
-    # Again; killed once the old step 2 is whole aside and gone from its prefix.
-    assert rollback("replacing") == -signal.SIGKILL
-    assert check_checkpoints(url, tmp_path / "check") == [1]
-    assert _files(step2) <= {".claim"}
-    assert ".abandoned.json" in _files(aside) and _whole(aside)
-
-    # Again; killed after the new step 2 is committed, before the copy aside is deleted.
-    assert rollback("replaced") == -signal.SIGKILL
-    assert check_checkpoints(url, tmp_path / "check") == [1, 2]
-    assert _trajectory(step2, tmp_path / "check") == "new"
-    assert _whole(aside) and ".metadata.json" not in _files(aside)
-
-    # A run resuming from the new step 2 saves step 3 (replacing the abandoned one) and its
-    # retention removes the copy aside that the kill left.
-    proc, _ = launcher.start(url, work, 2, 3, target=rollback_run, env=env)
+    # A run resuming from the newest step reported saves the rest (step 3 replaces the
+    # abandoned one); a copy aside left by a kill is gone by the end of the run.
+    resume = _steps(url)[-1]
+    proc, _ = launcher.start(url, work, resume, 3, target=rollback_run, env=env)
     assert finish(proc) == 0
-    assert check_checkpoints(url, tmp_path / "check") == [1, 2, 3]
-    assert [_trajectory(f"{url}/step{s}", tmp_path / "check") for s in (1, 2, 3)] == [
-        "old",
-        "new",
-        "new",
-    ]
+    assert _steps(url) == [1, 2, 3]
+    assert [_trajectory(f"{url}/step{s}", tmp_path / "check") for s in (2, 3)] == ["new", "new"]
     storage, path = resolve(url)
     assert storage.list_dir(path).dirs == ["step1", "step2", "step3"]
 
@@ -99,21 +97,19 @@ def _replace_with_kills(launcher: Launcher, tmp_path: Path, url: str, env: dict[
 def _first_run(launcher: Launcher, tmp_path: Path, start: Any, url: str, server: str) -> None:
     proc, _ = start(launcher, tmp_path, url, server, 3, "sync", keep=None)
     assert finish(proc) == 0
-    assert check_checkpoints(url, tmp_path / "check") == [1, 2, 3]
+    assert _steps(url) == [1, 2, 3]
 
 
 def test_kills_while_replacing_an_abandoned_step_on_gcs(launcher, gcs_server, gcs_bucket, tmp_path):
     url = f"{gcs_bucket}/run"
     _first_run(launcher, tmp_path, start_on_gcs, url, gcs_server.url)
     env = {"STORAGE_EMULATOR_HOST": gcs_server.url, "NO_GCE_CHECK": "true"}
-    _replace_with_kills(launcher, tmp_path, url, env)
+    _replace_with_kills(launcher, tmp_path, url, env, ["copying-aside", "replacing", "replaced"])
 
 
-def test_kills_while_replacing_an_abandoned_step_on_s3(launcher, s3_server, s3_bucket, tmp_path):
+def test_kill_while_replacing_an_abandoned_step_on_s3(launcher, s3_server, s3_bucket, tmp_path):
     url = f"{s3_bucket}/run"
     _first_run(launcher, tmp_path, start_on_s3, url, s3_server.url)
     env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
     env["AWS_ENDPOINT_URL_S3"] = s3_server.url
-    _replace_with_kills(launcher, tmp_path, url, env)
-
-
+    _replace_with_kills(launcher, tmp_path, url, env, ["replacing"])
