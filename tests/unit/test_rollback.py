@@ -146,6 +146,27 @@ def test_plain_checkpointer_abandons_at_the_first_save_after_loading_an_older_st
     assert _trajectory(ckpt, f"{folder}/step4") == "new"
 
 
+def test_resume_into_abandons_at_load_time_and_only_in_the_folder_loaded_from(
+    ckpt: Checkpointer, tmp_path: Path
+) -> None:
+    """`Checkpointer.resume_into` closes the window between a load and the first save; a
+    load for evaluation (no `resume_into`, no save) abandons nothing."""
+    folder, other = str(tmp_path / "ckpts"), str(tmp_path / "other")
+    _first_run(ckpt, folder, 6, CheckpointPolicy(save_interval=2))
+    _first_run(ckpt, other, 4, CheckpointPolicy(save_interval=2))
+    module = make_module(steps=1)
+    ckpt.load(f"{folder}/step2", module)  # evaluation: nothing happens
+    assert Checkpointer.latest_checkpoint(folder) == f"{folder}/step6"
+    ckpt.load(f"{other}/step2", module)
+    assert ckpt.resume_into(folder) == []  # another folder's checkpoint: no rollback
+    assert _steps(other) == [0, 2, 4] and _steps(folder) == [0, 2, 4, 6]
+
+    ckpt.load(f"{folder}/step2", module)
+    assert ckpt.resume_into(folder) == [4, 6]
+    assert Checkpointer.latest_checkpoint(folder) == f"{folder}/step2"  # before any save
+    assert ckpt.resume_into(folder) == []  # once per load
+
+
 def test_rollback_on_an_object_store(tmp_path: Path, gcs_bucket: str) -> None:
     from trainckpt import CheckpointerConfig
 
