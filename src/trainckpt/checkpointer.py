@@ -549,7 +549,9 @@ class Checkpointer:
             return []
         step = loaded[2]
         abandoned = dist.run_on_rank0(
-            lambda: save_folder.abandon_newer(storage, folder, step),
+            lambda: save_folder.abandon_newer(
+                storage, folder, step, refuse=self.on_rollback == "refuse"
+            ),
             f"abandoning the checkpoints newer than step {step} in '{folder}'",
             self.process_group,
         )

@@ -167,6 +167,28 @@ def test_resume_into_abandons_at_load_time_and_only_in_the_folder_loaded_from(
     assert ckpt.resume_into(folder) == []  # once per load
 
 
+def test_on_rollback_refuse_names_the_newer_steps_and_changes_nothing(tmp_path: Path) -> None:
+    from trainckpt import CheckpointerConfig
+    from trainckpt.errors import ConfigurationError
+
+    folder = str(tmp_path / "ckpts")
+    ckpt = CheckpointerConfig(work_dir=tmp_path / "work", on_rollback="refuse").build()
+    try:
+        _first_run(ckpt, folder, 6, CheckpointPolicy(save_interval=2))
+        module = make_module(steps=1)
+        driver = CheckpointManager(ckpt, CheckpointPolicy(save_interval=2), folder)
+        with pytest.raises(ConfigurationError, match=r"\[4, 6\].*on_rollback='replace'"):
+            driver.start_from(2)
+        ckpt.load(f"{folder}/step4", module)
+        with pytest.raises(ConfigurationError, match=r"step 4.*\[6\]"):
+            ckpt.resume_into(folder)
+        assert _steps(folder) == [0, 2, 4, 6]
+        assert not list((tmp_path / "ckpts").glob(f"*/{ABANDONED_FILE}"))
+        assert driver.start_from(6) == []  # resuming from the newest is no rollback
+    finally:
+        ckpt.close()
+
+
 def test_rollback_on_an_object_store(tmp_path: Path, gcs_bucket: str) -> None:
     from trainckpt import CheckpointerConfig
 
