@@ -208,3 +208,56 @@ def test_rollback_on_an_object_store(tmp_path: Path, gcs_bucket: str) -> None:
         assert _trajectory(ckpt, f"{folder}/step4") == "new"
     finally:
         ckpt.close()
+
+
+def test_object_store_copy_aside_outlives_a_failed_replacement_and_prune_clears_it(
+    tmp_path: Path, s3_bucket: str
+) -> None:
+    """A save that fails once the abandoned step is copied aside leaves `step4-replaced/`
+    whole: no finder reports it, `ls` shows it as a working folder, a deletion waits while a
+    save holds the step's claim, and prune removes it afterwards."""
+    from trainckpt import CheckpointerConfig
+    from trainckpt.core import claim as claims
+    from trainckpt.core.commit import delete_leftover
+    from trainckpt.faults import on_fault_point
+    from trainckpt.format.folder import scan_folder
+    from trainckpt.retention.prune import apply_prune, plan_prune
+    from trainckpt.storage import resolve
+
+    folder = f"{s3_bucket}/rollback"
+    ckpt = CheckpointerConfig(work_dir=tmp_path / "work", claim_lease=1.0).build()
+    try:
+        _first_run(ckpt, folder, 4, CheckpointPolicy(save_interval=2))
+        module = make_module(steps=1)
+        driver = CheckpointManager(ckpt, CheckpointPolicy(save_interval=2), folder)
+        assert driver.start_from(2) == [4]
+
+        def fail() -> None:
+            raise RuntimeError("interrupted after the copy aside")
+
+        with on_fault_point("replacing", fail), pytest.raises(RuntimeError, match="copy aside"):
+            driver.save(4, module, {"step": 4, "trajectory": "new"})
+        driver.finish()
+    finally:
+        ckpt.close()
+    storage, root = resolve(folder)
+    aside = f"{root}/step4-replaced"
+    assert ABANDONED_FILE in storage.list_files(aside)
+    assert _steps(folder) == [0, 2]
+    states = {e.name: e.state for e in scan_folder(storage, root)}
+    assert states["step4-replaced"] == "tmp"
+
+    # A save of step 4 holds its claim: the deletion of the copy aside leaves it alone.
+    live = claims.acquire(storage, f"{root}/step4", lease=1.0)
+    live.start_renewing()
+    try:
+        assert not delete_leftover(storage, aside)
+    finally:
+        live.release()
+    assert ABANDONED_FILE in storage.list_files(aside)
+
+    plan = plan_prune(root, scan_folder(storage, root), keep_last=2, keep_ephemeral=False)
+    assert aside in [e.path for e in plan.to_delete]
+    apply_prune(plan, on_deleted=lambda e: None)
+    assert storage.list_files(aside) == {}
+    assert _steps(folder) == [0, 2]
