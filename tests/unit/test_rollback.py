@@ -244,8 +244,8 @@ def test_object_store_copy_aside_outlives_a_failed_replacement_and_prune_clears_
     aside = f"{root}/step4-replaced"
     assert ABANDONED_FILE in storage.list_files(aside)
     assert _steps(folder) == [0, 2]
-    states = {e.name: e.state for e in scan_folder(storage, root)}
-    assert states["step4-replaced"] == "tmp"
+    entry = next(e for e in scan_folder(storage, root) if e.name == "step4-replaced")
+    assert entry.state == "tmp" and "set aside" in entry.note
 
     # A save of step 4 holds its claim: the deletion of the copy aside leaves it alone.
     live = claims.acquire(storage, f"{root}/step4", lease=1.0)

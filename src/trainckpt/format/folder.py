@@ -352,7 +352,9 @@ def _describe(storage: Storage, folder: StepFolder) -> FolderEntry | None:
     state = state_of(folder, committed, records, abandoned)
     assert state is not None
     notes = list(records.problems)
-    if abandoned and not committed:
+    if abandoned and folder.tmp:
+        notes.append("the old folder of the step, set aside by a save that replaces it")
+    elif abandoned and not committed:
         notes.append("abandoned: a run resumed from an older step; its next save replaces it")
     if committed and layout.MANIFEST_FILE not in files:
         notes.append("no manifest (unverifiable)")
