@@ -97,6 +97,11 @@ class CheckpointerConfig(BaseModel):
     sees it renewed fails at once, and one that sees it unchanged for this long (its save
     crashed) takes the step over. So a save after a crash waits up to this long; a save that
     stalls for longer than this loses its step and fails instead of committing."""
+    on_rollback: Literal["replace", "refuse"] = "replace"
+    """What a run that resumes from an older step than the newest committed one in its save
+    folder does with the newer checkpoints (docs/rollback.md): `replace` abandons them (no
+    finder reports them again; the run's saves of those steps replace them); `refuse` raises
+    an error naming them instead, and abandons nothing."""
     local_dir: Path | None = None
     """Folder of the node-local tier (`save_local`): on each node's own disk (NVMe,
     `/dev/shm`), the same path on every node. None: no local tier."""

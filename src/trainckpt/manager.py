@@ -161,7 +161,11 @@ class CheckpointManager:
         self._started = True
         since = -1 if step is None else step
         abandoned = dist.run_on_rank0(
-            lambda: abandon_newer(*resolve(self.save_folder), since),
+            lambda: abandon_newer(
+                *resolve(self.save_folder),
+                since,
+                refuse=self.checkpointer.on_rollback == "refuse",
+            ),
             f"abandoning the checkpoints newer than step {since} in '{self.save_folder}'",
             self._group,
         )
