@@ -25,6 +25,8 @@ from trainckpt.core.local_tier import LocalTier, load_into
 from trainckpt.core.rank_write import ListedFiles, TrainingFiles
 from trainckpt.core.save_report import SavedPath, SaveReport, TimedFiles
 from trainckpt.core.staging import Stager, StreamMark
+from trainckpt.core.trainer_tensors import DeferredTrainerState
+from trainckpt.core.trainer_tensors import prepare as prepare_trainer_state
 from trainckpt.errors import (
     CheckpointError,
     ConfigurationError,
@@ -33,7 +35,6 @@ from trainckpt.errors import (
 from trainckpt.format import folder as save_folder
 from trainckpt.format import layout
 from trainckpt.format.records import CheckpointMetadata
-from trainckpt.format.trainer_state import serialize_trainer_state
 from trainckpt.format.verify import (
     Progress,
     VerifyReport,
@@ -164,7 +165,9 @@ class Checkpointer:
         self._finish_pending()
         start = time.perf_counter()
         req = self._request(dir, ephemeral)
-        trainer_bytes, state = self._prepare(req.dir, train_module, train_state, stage=False)
+        trainer, state = self._prepare(req.dir, train_module, train_state, stage=False)
+        assert isinstance(trainer, bytes)  # serialized at once when not deferred
+        trainer_bytes = trainer
         self._stager.wait_for_trainer(state)  # the writer threads read GPU state on their streams
         files = TimedFiles(self._training_files(req, train_module, trainer_bytes, state))
         return self._saved(files.report(save_checkpoint(req, files), start, staged=start))
@@ -184,7 +187,8 @@ class Checkpointer:
         With `overlap_staging=True` it returns before the copy to CPU memory is done (the copy
         overlaps the next forward/backward); the caller must then call `wait_for_staging()`
         before the next optimizer step changes parameters (the next `save`, `save_async` and
-        `load` wait for it too). The trainer state is serialized during the call either way.
+        `load` wait for it too). The trainer state is checked and copied during the call either
+        way; its GPU tensors, if any, are staged with the module's (docs/gpu.md).
 
         The future resolves to the committed path only after the commit; until then no finder
         reports the checkpoint. One save runs at a time: this call first waits for the previous
@@ -208,11 +212,12 @@ class Checkpointer:
         self._finish_pending()
         start = time.perf_counter()
         req = self._request(dir, ephemeral)
-        trainer_bytes, state = self._prepare(
-            req.dir, train_module, train_state, stage=not overlap_staging
+        trainer, state = self._prepare(
+            req.dir, train_module, train_state, stage=not overlap_staging, defer=True
         )
         prepared = time.perf_counter()  # the call returns now: training is unblocked
-        mark = self._stager.mark(state) if overlap_staging else None  # GPU state as of now
+        to_stage = state if isinstance(trainer, bytes) else trainer.with_tensors(state)
+        mark = self._stager.mark(to_stage) if overlap_staging else None  # GPU state as of now
         staging: Future[None] = Future()
         if not overlap_staging:
             staging.set_result(None)
@@ -223,9 +228,12 @@ class Checkpointer:
             )
 
         def run() -> str:
-            staged = state
+            staged, trainer_bytes = state, trainer
             if overlap_staging:
-                staged = self._stage_in_background(req, state, staging, mark)
+                staged, trainer_bytes = self._stage_in_background(
+                    req, state, trainer, staging, mark
+                )
+            assert isinstance(trainer_bytes, bytes)
             staged_at = time.perf_counter() if overlap_staging else prepared
             files = TimedFiles(
                 self._training_files(req, train_module, trainer_bytes, staged, background=True)
@@ -315,16 +323,22 @@ class Checkpointer:
             self._writer.unmap_all()
 
     def _stage_in_background(
-        self, req: SaveRequest, state: dict[str, Any], done: Future[None], mark: StreamMark | None
-    ) -> dict[str, Any]:
-        """Copy `state` to CPU buffers off the training thread (after the training stream's
-        `mark`, on a GPU) and signal `done` once the copies are complete; every rank learns
-        whether every rank staged. Called on: all ranks (background thread)."""
+        self,
+        req: SaveRequest,
+        state: dict[str, Any],
+        trainer: bytes | DeferredTrainerState,
+        done: Future[None],
+        mark: StreamMark | None,
+    ) -> tuple[dict[str, Any], bytes]:
+        """Copy `state` (and the trainer state's GPU tensors) to CPU buffers off the training
+        thread (after the training stream's `mark`, on a GPU) and signal `done` once the copies
+        are complete; every rank learns whether every rank staged. Returns the staged state and
+        the trainer-state file's bytes. Called on: all ranks (background thread)."""
         error: Exception | None = None
-        staged: dict[str, Any] = {}
+        staged: tuple[dict[str, Any], bytes] = ({}, b"")
         start = time.perf_counter()
         try:
-            staged = self._stager.stage(state, after=mark, shared=self.async_writer == "process")
+            staged = self._stage(state, trainer, mark)
         except Exception as e:
             error = e
         if error is None:
@@ -389,31 +403,57 @@ class Checkpointer:
             raise
 
     def _prepare(
-        self, where: str, train_module: TrainModule, train_state: dict, *, stage: bool
-    ) -> tuple[bytes, dict[str, Any]]:
+        self,
+        where: str,
+        train_module: TrainModule,
+        train_state: dict,
+        *,
+        stage: bool,
+        defer: bool = False,
+    ) -> tuple[bytes | DeferredTrainerState, dict[str, Any]]:
         """Serialize the trainer state and collect (and, for async saves, stage) the model
-        state; a module that saves itself (direct API) is asked for nothing here. Every rank
+        state; a module that saves itself (direct API) is asked for nothing here. A trainer
+        state with GPU tensors is staged with the model state (`trainer_tensors.py`); with
+        `defer` and not `stage`, it is returned unserialized, for `_stage` to finish. Every rank
         learns whether every rank succeeded: a rank that failed here and left would otherwise
         leave its peers waiting in the first collective of the save.
 
         Called on: all ranks.
         """
         error: Exception | None = None
-        trainer_bytes: bytes = b""
+        trainer: bytes | DeferredTrainerState = b""
         state: dict[str, Any] = {}
         try:
-            trainer_bytes = serialize_trainer_state(
-                train_state, where, self.max_trainer_state_bytes
+            trainer = prepare_trainer_state(
+                train_state, where, self.max_trainer_state_bytes, self._stager.cuda
             )
             if not saves_directly(train_module):
                 with paused_gc():  # thousands of entries: see core/gc_pause.py
                     state = train_module.state_dict_to_save()
             if stage:  # complete (GPU copies too) when it returns
-                state = self._stager.stage(state, shared=self.async_writer == "process")
+                state, trainer = self._stage(state, trainer)
+            elif not defer and not isinstance(trainer, bytes):  # a save(): read on this thread
+                trainer = trainer.serialize(trainer.tensors)
         except Exception as e:
             error = e
         dist.agree(error, f"preparing the save of '{where}'", self.process_group)
-        return trainer_bytes, state
+        return trainer, state
+
+    def _stage(
+        self,
+        state: dict[str, Any],
+        trainer: bytes | DeferredTrainerState,
+        mark: StreamMark | None = None,
+    ) -> tuple[dict[str, Any], bytes]:
+        """Stage `state` and the trainer state's GPU tensors together (after `mark`); return
+        the staged state and the trainer-state file's bytes, serialized from the CPU copies.
+        Called on: all ranks (the thread that stages)."""
+        shared = self.async_writer == "process"
+        if isinstance(trainer, bytes):
+            return self._stager.stage(state, after=mark, shared=shared), trainer
+        staged = self._stager.stage(trainer.with_tensors(state), after=mark, shared=shared)
+        module_state, copies = DeferredTrainerState.split(staged)
+        return module_state, trainer.serialize(copies)
 
     def _request(self, dir: str | os.PathLike, ephemeral: bool) -> SaveRequest:
         storage, path = resolve(dir, self._storage_options)
@@ -514,6 +554,7 @@ class Checkpointer:
             pre_download=self.pre_download,
             thread_count=self.load_thread_count or _default_threads(),
             max_trainer_state_bytes=self.max_trainer_state_bytes,
+            cuda=self._stager.cuda,
         )
         state = load_checkpoint(
             req,
@@ -569,7 +610,9 @@ class Checkpointer:
         self._finish_pending()
         start = time.perf_counter()
         where = str(tier.root / f"step{step}")
-        trainer_bytes, state = self._prepare(where, train_module, train_state, stage=True)
+        trainer, state = self._prepare(where, train_module, train_state, stage=True)
+        assert isinstance(trainer, bytes)  # staged, then serialized
+        trainer_bytes = trainer
         log.info(
             "staged local checkpoint step %d in %.2fs; writing and replicating in the background",
             step,
