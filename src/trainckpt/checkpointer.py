@@ -1,10 +1,16 @@
-"""`Checkpointer`: save, save_async and load of whole training checkpoints; its finding and
-inspection classmethods delegate to `format.folder` and `format.verify`."""
+"""`Checkpointer`: save, save_async and load of whole training checkpoints, and
+`CheckpointerConfig`, its settings; one module for the pair, as OLMo-core keeps them, so the
+config's `build()` needs no import back. The finding and inspection classmethods delegate to
+`format.folder` and `format.verify`."""
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import json
 import logging
 import os
+import tempfile
 import threading
 import time
 import weakref
@@ -12,15 +18,18 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar, cast, overload
 
-from trainckpt.config import CheckpointerConfig
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from trainckpt.core import amend, dist, exit_guard
+from trainckpt.core.claim import DEFAULT_LEASE, MAX_LEASE
 from trainckpt.core.commit import SaveRequest, delete_checkpoint, save_checkpoint
 from trainckpt.core.direct import saves_directly
 from trainckpt.core.futures import CallbacksFirstFuture
 from trainckpt.core.gc_pause import paused_gc
-from trainckpt.core.load import LoadRequest, load_checkpoint
+from trainckpt.core.load import LoadRequest, VerifyOnLoad, load_checkpoint
 from trainckpt.core.local_tier import LocalTier, load_into
 from trainckpt.core.rank_write import ListedFiles, TrainingFiles
 from trainckpt.core.save_report import SavedPath, SaveReport, TimedFiles
@@ -31,10 +40,13 @@ from trainckpt.errors import (
     CheckpointError,
     ConfigurationError,
     StorageError,
+    UnknownSettingError,
+    settings_error,
 )
 from trainckpt.format import folder as save_folder
 from trainckpt.format import layout
 from trainckpt.format.records import CheckpointMetadata
+from trainckpt.format.trainer_state import DEFAULT_MAX_BYTES
 from trainckpt.format.verify import (
     Progress,
     VerifyReport,
@@ -49,6 +61,215 @@ if TYPE_CHECKING:  # imports DCP, which loads with the first save
     from trainckpt.core.writer_process import WriterProcess
 
 log = logging.getLogger(__name__)
+
+
+def default_work_dir() -> Path:
+    """`<tmp>/trainckpt-<uid>`: the `work_dir` of a `Checkpointer` given none."""
+    return Path(tempfile.gettempdir()) / f"trainckpt-{os.getuid() if hasattr(os, 'getuid') else 0}"
+
+
+def _config_error(error: ValidationError, where: str) -> ConfigurationError:
+    """pydantic's complaint as a `ConfigurationError` naming each field; a misspelt field gets
+    the closest real one ("did you mean 'work_dir'?")."""
+    fields = list(CheckpointerConfig.model_fields)
+    hints = [
+        f"'{close[0]}' for '{err['loc'][0]}'"
+        for err in error.errors()
+        if err["type"] == "extra_forbidden" and err["loc"]
+        for close in [difflib.get_close_matches(str(err["loc"][0]), fields, n=1)]
+        if close
+    ]
+    message = str(settings_error(error, where, "checkpointer settings"))
+    if hints:
+        message += f" (did you mean {', '.join(hints)}?)"
+    return ConfigurationError(message)
+
+
+class CheckpointerConfig(BaseModel):
+    """Settings of a `Checkpointer`. Unknown keys are refused, so a typo cannot pass silently.
+
+    The one place the settings, their defaults and their limits are declared: a `Checkpointer`
+    holds its validated settings as an instance of this class (`Checkpointer.config`).
+    """
+
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
+    )
+
+    work_dir: Path | None = None
+    """Node-local scratch folder: staging of uploads to object stores and the cache of files
+    downloaded from URLs. Not the save folder. None: OLMo-core's `TrainerConfig.build` sets its
+    trainer's `work_dir`; otherwise `<tmp>/trainckpt-<uid>`."""
+    save_overwrite: bool | None = None
+    """Replace a committed checkpoint of the same step instead of refusing to save. None:
+    OLMo-core's `TrainerConfig.build` sets its trainer's `save_overwrite`; otherwise False."""
+    pre_download: bool = False
+    """When loading from a URL, download the files this rank needs before reading them, instead
+    of reading byte ranges on demand."""
+    save_thread_count: int | None = Field(default=None, ge=1, le=64)
+    """Threads per rank writing files, and uploading them to object stores; None picks
+    min(4, CPUs) for writing and 8 for uploads (which wait on the network, not the CPU)."""
+    async_writer: Literal["thread", "process"] = "thread"
+    """Who writes the files of `save_async`: threads of the training process, or a separate
+    writer process that reads the staged state from shared memory, so the writing never
+    competes with training for the interpreter lock (docs/performance.md). The process costs
+    a Python interpreter with torch (started at the first async save) and stages into shared
+    memory (a `memfd`, not `/dev/shm`); its threads: `save_thread_count`, or the cores
+    training leaves free."""
+    load_thread_count: int | None = Field(default=None, ge=1, le=64)
+    """Threads per rank reading (and downloading) files; None picks min(4, CPUs)."""
+    throttle_uploads: bool = False
+    """Upload to object stores one rank per node at a time, to spare each node's network.
+    Ranks on the same host take turns in ascending rank order (the host's first rank uploads
+    all its files, then its second, ...); each turn ends with a barrier on the checkpointer's
+    process group, so nodes upload in parallel but never two ranks of one node. A turn must
+    fit within `collective_timeout`. Local/NFS saves ignore it."""
+    fs_timeout: float = Field(default=120.0, gt=0)
+    """Seconds to wait for files and folders written by another rank to become visible
+    (shared filesystems lag) before failing with an error saying what was awaited."""
+    collective_timeout: float = Field(default=600.0, gt=0)
+    """Seconds a collective of the checkpointer's own process group may wait for a peer; a rank
+    that died during a save makes the others fail after at most this long."""
+    retry_deadline: float = Field(default=300.0, gt=0)
+    """Seconds a remote storage request may keep retrying transient errors."""
+    claim_lease: float = Field(default=DEFAULT_LEASE, gt=0, le=MAX_LEASE)
+    """Object stores: seconds a save's claim on its step stays live without renewal. Rank 0
+    renews it six times per period while the save runs; another save of the same step that
+    sees it renewed fails at once, and one that sees it unchanged for this long (its save
+    crashed) takes the step over. So a save after a crash waits up to this long; a save that
+    stalls for longer than this loses its step and fails instead of committing."""
+    local_dir: Path | None = None
+    """Folder of the node-local tier (`save_local`): on each node's own disk (NVMe,
+    `/dev/shm`), the same path on every node. None: no local tier."""
+    replication_factor: int = Field(default=2, ge=1, le=16)
+    """Copies of each rank's local part, its own included, each on another node."""
+    replication_jump: int | None = Field(default=None, ge=1)
+    """Ranks between a local part and its replica; None: the ranks per node
+    (`LOCAL_WORLD_SIZE`), so replicas land on the next node."""
+    local_keep: int = Field(default=2, ge=1)
+    """Committed steps the local tier keeps."""
+    verify_on_load: VerifyOnLoad = "size"
+    """Check files against the manifest before loading: none, size (cheap) or full (CRC32C)."""
+    max_trainer_state_bytes: int = Field(default=DEFAULT_MAX_BYTES, ge=1)
+    """Largest trainer-state file (`train/rank{R}.pt`) a save writes and a load reads: a larger
+    one is refused by its size before it is read (docs/limits.md). Default 1 GiB."""
+    exit_timeout: float = Field(default=300.0, ge=0)
+    """Seconds a process that ends (or gets SIGTERM, where the trainer has no handler of its
+    own) without `close()` waits for its in-flight async save to commit; a save that does not
+    commit in time is logged as an ERROR naming it. 0 does not wait."""
+
+    # -- every way in raises `ConfigurationError` naming the field, never pydantic's own error --
+    def __init__(self, **settings: Any) -> None:
+        """`CheckpointerConfig(work_dir=..., ...)`; an unknown or invalid field raises
+        `ConfigurationError` naming it."""
+        try:
+            super().__init__(**settings)
+        except ValidationError as e:
+            raise _config_error(e, type(self).__name__) from e
+
+    # pydantic runs a custom __init__ inside model_validate and would wrap our error in its own;
+    # this one only translates errors, so validation may skip it (as it skips BaseModel's)
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as e:
+            raise _config_error(e, type(self).__name__) from e
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> CheckpointerConfig:
+        """pydantic's `model_validate`, raising `ConfigurationError` naming each bad field."""
+        return cls.validated(obj, cls.__name__, **kwargs)
+
+    @classmethod
+    def model_validate_json(cls, json_data: Any, **kwargs: Any) -> CheckpointerConfig:
+        """pydantic's `model_validate_json`, raising `ConfigurationError` naming each bad field."""
+        try:
+            return super().model_validate_json(json_data, **kwargs)
+        except ValidationError as e:
+            raise _config_error(e, cls.__name__) from e
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> CheckpointerConfig:
+        """Read a YAML or JSON file (a top-level `checkpointer:` key is accepted too)."""
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except FileNotFoundError as e:
+            raise ConfigurationError(f"config file '{p}' does not exist") from e
+        try:
+            raw = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+        except (json.JSONDecodeError, yaml.YAMLError) as e:
+            raise ConfigurationError(f"config file '{p}' is not valid YAML/JSON: {e}") from e
+        raw = raw or {}
+        if not isinstance(raw, dict):
+            raise ConfigurationError(f"config file '{p}' must hold a mapping of settings")
+        if "checkpointer" in raw and isinstance(raw["checkpointer"], dict):
+            raw = raw["checkpointer"]
+        return cls.validated(raw, where=str(p))
+
+    @classmethod
+    def validated(
+        cls, raw: Any, where: str = "CheckpointerConfig", **kwargs: Any
+    ) -> CheckpointerConfig:
+        """Validate `raw`, turning pydantic's errors into one message that names each field
+        (`where`: the file or caller the settings came from)."""
+        try:
+            return super().model_validate(raw, **kwargs)
+        except ValidationError as e:
+            raise _config_error(e, where) from e
+
+    def updated(self, where: str = "CheckpointerConfig", **changes: Any) -> CheckpointerConfig:
+        """A copy with `changes` applied and validated (`where` names the caller in errors)."""
+        return self.validated({**self.model_dump(), **changes}, where) if changes else self
+
+    def with_defaults(self) -> CheckpointerConfig:
+        """A copy with the settings a trainer may fill in, if left None, set to their defaults:
+        `work_dir` `<tmp>/trainckpt-<uid>`, `save_overwrite` False."""
+        return self.model_copy(
+            update={
+                "work_dir": default_work_dir() if self.work_dir is None else self.work_dir,
+                "save_overwrite": bool(self.save_overwrite),
+            }
+        )
+
+    def build(
+        self, process_group: dist.ProcessGroup | None = None, **overrides: Any
+    ) -> Checkpointer:
+        """A `Checkpointer` with these settings, `overrides` applied (and validated) on top;
+        settings left None take the `Checkpointer`'s defaults.
+
+        Called on: all ranks (the checkpointer may create its own process group).
+        """
+        settings = self.updated(**overrides).model_dump(exclude_none=True)
+        return Checkpointer(process_group=process_group, **settings)
+
+
+_T = TypeVar("_T")
+
+
+class _Setting(Generic[_T]):
+    """A setting of a `Checkpointer` as a typed attribute: read from its `config`, and written
+    into a new `config` validated by `CheckpointerConfig` (an invalid value raises
+    `ConfigurationError` naming it). Values that the checkpointer derived at construction
+    (its process group, storage options, local tier) stay as they were."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> _Setting[_T]: ...
+    @overload
+    def __get__(self, obj: Checkpointer, owner: type) -> _T: ...
+    def __get__(self, obj: Checkpointer | None, owner: type) -> _Setting[_T] | _T:
+        if obj is None:
+            return self
+        return cast(_T, getattr(obj.config, self.name))
+
+    def __set__(self, obj: Checkpointer, value: _T) -> None:
+        changed = obj.config.updated("Checkpointer", **{self.name: value})
+        obj.config = changed.with_defaults()
 
 
 def _failed(target: str, error: Exception) -> CheckpointError:
@@ -73,15 +294,38 @@ class Checkpointer:
     In a multi-rank job it runs its own collectives on `process_group`, a gloo group it creates
     when none is given (creating it is collective: construct the Checkpointer on all ranks).
 
-    Its settings are `CheckpointerConfig`'s fields: constructor keywords, validated there, and
-    read and written as attributes of the same names (`ckpt.work_dir`), held in `config`.
+    Its settings are `CheckpointerConfig`'s fields: constructor keywords, validated there, held
+    in `config`, and read and written as typed attributes of the same names (`ckpt.work_dir`).
     """
 
     METADATA_FNAME: ClassVar[str] = layout.METADATA_FILE
 
+    # The settings as typed attributes (`_Setting`); a test checks they are the config's fields.
+    work_dir = _Setting[Path]()
+    save_overwrite = _Setting[bool]()
+    pre_download = _Setting[bool]()
+    save_thread_count = _Setting[int | None]()
+    async_writer = _Setting[Literal["thread", "process"]]()
+    load_thread_count = _Setting[int | None]()
+    throttle_uploads = _Setting[bool]()
+    fs_timeout = _Setting[float]()
+    collective_timeout = _Setting[float]()
+    retry_deadline = _Setting[float]()
+    claim_lease = _Setting[float]()
+    local_dir = _Setting[Path | None]()
+    replication_factor = _Setting[int]()
+    replication_jump = _Setting[int | None]()
+    local_keep = _Setting[int]()
+    verify_on_load = _Setting[VerifyOnLoad]()
+    max_trainer_state_bytes = _Setting[int]()
+    exit_timeout = _Setting[float]()
+
     config: CheckpointerConfig
     """The settings, validated, with `work_dir` and `save_overwrite` filled in if left None."""
     process_group: dist.ProcessGroup | None
+    last_save_report: SaveReport | None
+    """Figures of the last committed `save`/`save_async` (`save_report.py`); also on the
+    path they return: `ckpt.save(...).report`, `ckpt.save_async(...).result().report`."""
 
     def __init__(self, *, process_group: dist.ProcessGroup | None = None, **settings: Any) -> None:
         """`settings`: `CheckpointerConfig`'s fields by name; an invalid one raises
@@ -113,9 +357,7 @@ class Checkpointer:
         self._pending_dir = ""
         self._staging: Future[None] | None = None
         self._stager = Stager(on_release=self._unmap_staging)
-        self.last_save_report: SaveReport | None = None
-        """Figures of the last committed `save`/`save_async` (`save_report.py`); also on the
-        path they return: `ckpt.save(...).report`, `ckpt.save_async(...).result().report`."""
+        self.last_save_report = None
         self._writer: WriterProcess | None = None
         if self.async_writer == "process":
             self._writer_process().start()  # its start-up overlaps the trainer's
@@ -135,24 +377,23 @@ class Checkpointer:
             )
         )
 
-    def __getattr__(self, name: str) -> Any:
-        """A setting read as an attribute (`ckpt.work_dir`) comes from `config`."""
-        config = self.__dict__.get("config")
-        if config is not None and name in CheckpointerConfig.model_fields:
-            return getattr(config, name)
-        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+    if not TYPE_CHECKING:  # type checkers, not seeing these, refuse unknown names themselves
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        """A setting written as an attribute is validated into `config`."""
-        if name in CheckpointerConfig.model_fields:
-            value = self.config.updated("Checkpointer", **{name: value}).with_defaults()
-            name = "config"
-        super().__setattr__(name, value)
+        def __getattr__(self, name: str) -> Any:
+            """Reached only for a name the checkpointer lacks: refused, naming the setting."""
+            raise _unknown_attribute(self, name)
+
+        def __setattr__(self, name: str, value: Any) -> None:
+            """A public name the class does not declare is refused: a misspelt setting
+            (`ckpt.wrok_dir = ...`) would otherwise be stored and never used."""
+            if not (name.startswith("_") or hasattr(type(self), name) or name in _DECLARED):
+                raise _unknown_attribute(self, name)
+            super().__setattr__(name, value)
 
     # -- saving ---------------------------------------------------------------------------------
     def save(
         self,
-        dir: str | os.PathLike,
+        dir: str | os.PathLike[str],
         train_module: TrainModule,
         train_state: dict[str, Any],
         *,
@@ -174,7 +415,7 @@ class Checkpointer:
 
     def save_async(
         self,
-        dir: str | os.PathLike,
+        dir: str | os.PathLike[str],
         train_module: TrainModule,
         train_state: dict[str, Any],
         *,
@@ -280,7 +521,7 @@ class Checkpointer:
 
     def save_files(
         self,
-        dir: str | os.PathLike,
+        dir: str | os.PathLike[str],
         write_files: Callable[[Path], list[str]],
         *,
         ephemeral: bool = False,
@@ -351,7 +592,7 @@ class Checkpointer:
         dist.agree(error, f"staging the save of '{req.dir}'", self.process_group)
         return staged
 
-    def write_file(self, dir: str | os.PathLike, fname: str, contents: str | bytes) -> str:
+    def write_file(self, dir: str | os.PathLike[str], fname: str, contents: str | bytes) -> str:
         """Write one file into a folder, atomically; refused if it exists, unless
         `save_overwrite`. Returns its path. Into a committed checkpoint (OLMo-core's
         `ConfigSaverCallback` writes `config.json` into each), the file is added to its
@@ -406,7 +647,7 @@ class Checkpointer:
         self,
         where: str,
         train_module: TrainModule,
-        train_state: dict,
+        train_state: dict[str, Any],
         *,
         stage: bool,
         defer: bool = False,
@@ -455,7 +696,7 @@ class Checkpointer:
         module_state, copies = DeferredTrainerState.split(staged)
         return module_state, trainer.serialize(copies)
 
-    def _request(self, dir: str | os.PathLike, ephemeral: bool) -> SaveRequest:
+    def _request(self, dir: str | os.PathLike[str], ephemeral: bool) -> SaveRequest:
         storage, path = resolve(dir, self._storage_options)
         if not storage.writable:
             raise ConfigurationError(f"cannot save to '{path}': that storage is read-only")
@@ -479,7 +720,7 @@ class Checkpointer:
         req: SaveRequest,
         train_module: TrainModule,
         trainer_bytes: bytes,
-        state: dict,
+        state: dict[str, Any],
         *,
         background: bool = False,
     ) -> TrainingFiles:
@@ -518,7 +759,7 @@ class Checkpointer:
     # -- loading --------------------------------------------------------------------------------
     def load(
         self,
-        dir: str | os.PathLike,
+        dir: str | os.PathLike[str],
         train_module: TrainModule,
         *,
         load_trainer_state: bool | None = None,
@@ -696,13 +937,13 @@ class Checkpointer:
         return layout.checkpoint_dirname(step)
 
     @classmethod
-    def dir_is_checkpoint(cls, dir: str | os.PathLike) -> bool:
+    def dir_is_checkpoint(cls, dir: str | os.PathLike[str]) -> bool:
         """True for a committed checkpoint or a bare DCP folder (model weights only)."""
         return save_folder.is_checkpoint(*resolve(dir))
 
     @classmethod
     def find_checkpoints(
-        cls, dir: str | os.PathLike, ephemeral: bool | None = None
+        cls, dir: str | os.PathLike[str], ephemeral: bool | None = None
     ) -> Iterator[tuple[int, str]]:
         """Committed checkpoints directly under `dir`, as (step, path), ascending by step.
 
@@ -713,12 +954,12 @@ class Checkpointer:
         yield from save_folder.find_checkpoints(*resolve(dir), ephemeral)
 
     @classmethod
-    def contains_checkpoint(cls, dir: str | os.PathLike) -> bool:
+    def contains_checkpoint(cls, dir: str | os.PathLike[str]) -> bool:
         """True when `dir` is a checkpoint or holds at least one."""
         return save_folder.contains_checkpoint(*resolve(dir))
 
     @classmethod
-    def latest_checkpoint(cls, dir: str | os.PathLike) -> str:
+    def latest_checkpoint(cls, dir: str | os.PathLike[str]) -> str:
         """Path of the committed checkpoint with the highest step under `dir`.
 
         Probes step folders from the newest down and stops at the first committed one.
@@ -727,7 +968,7 @@ class Checkpointer:
         return save_folder.latest_checkpoint(*resolve(dir))
 
     @classmethod
-    def delete(cls, dir: str | os.PathLike) -> None:
+    def delete(cls, dir: str | os.PathLike[str]) -> None:
         """Delete a checkpoint folder (committed or not, or a `-tmp` working folder): the
         commit record first, so a crash midway leaves an uncommitted folder that no finder
         reports, never a torn checkpoint. A missing folder is ignored; a symbolic link loses
@@ -737,7 +978,7 @@ class Checkpointer:
 
     @classmethod
     def verify(
-        cls, dir: str | os.PathLike, *, deep: bool = False, progress: Progress | None = None
+        cls, dir: str | os.PathLike[str], *, deep: bool = False, progress: Progress | None = None
     ) -> VerifyReport:
         """Check a checkpoint's files against its manifest: missing, resized or unexpected
         files and escaping manifest entries; with `deep`, the CRC32C of every byte. `progress`
@@ -746,7 +987,7 @@ class Checkpointer:
         no folder. Called on: any one process."""
         return verify_checkpoint(*resolve(dir), deep=deep, progress=progress)
 
-    def find_latest_good(self, dir: str | os.PathLike) -> str | None:
+    def find_latest_good(self, dir: str | os.PathLike[str]) -> str | None:
         """The newest committed checkpoint under `dir` that passes verification (sizes, or
         every CRC32C with `verify_on_load="full"`), or None when there is none (or no `dir`).
 
@@ -762,6 +1003,19 @@ class Checkpointer:
         )
 
     @classmethod
-    def read_metadata(cls, dir: str | os.PathLike) -> CheckpointMetadata:
+    def read_metadata(cls, dir: str | os.PathLike[str]) -> CheckpointMetadata:
         """The commit record of a checkpoint."""
         return save_folder.read_metadata(*resolve(dir))
+
+
+_DECLARED = frozenset(f.name for f in dataclasses.fields(Checkpointer))
+
+
+def _unknown_attribute(ckpt: Checkpointer, name: str) -> UnknownSettingError:
+    """The error for an attribute `ckpt` does not have, with the setting meant if one is close."""
+    close = difflib.get_close_matches(name, [*CheckpointerConfig.model_fields, *dir(ckpt)], n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return UnknownSettingError(
+        f"'{type(ckpt).__name__}' object has no attribute '{name}'{hint} (its settings are "
+        "CheckpointerConfig's fields)"
+    )
