@@ -36,6 +36,8 @@ STAGED_KEY = "trainckpt: trainer-state tensors"
 
 @dataclass(frozen=True)
 class _Slot:
+    """Where a GPU tensor goes back into the skeleton: its index in `tensors`."""
+
     index: int
 
 
