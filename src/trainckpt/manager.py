@@ -71,7 +71,7 @@ class CheckpointManager:
         self,
         checkpointer: Checkpointer,
         policy: CheckpointPolicy,
-        save_folder: str | os.PathLike,
+        save_folder: str | os.PathLike[str],
         *,
         naming: layout.Naming = "trainckpt",
     ) -> None:
