@@ -1,0 +1,38 @@
+"""DCP's `.metadata` (a plain protocol-2..5 pickle, which PyTorch's `weights_only` unpickler
+cannot read): `load_dcp_metadata` runs it on the interpreter of `dcp_opcodes`, whose globals
+are the exact table of `dcp_globals`."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+from trainckpt.errors import CorruptCheckpointError, UnsafeCheckpointError
+from trainckpt.format.safe_unpickle.dcp_globals import dcp_globals
+from trainckpt.format.safe_unpickle.dcp_opcodes import run
+from trainckpt.format.safe_unpickle.refusal import Refused, short
+
+
+def load_dcp_metadata(data: bytes, where: str) -> Any:
+    """The object DCP pickled into its `.metadata` file `where`, read by `dcp_opcodes.run` (which
+    builds only DCP's records, torch sizes/dtypes/layouts/devices and plain containers).
+    Raises `UnsafeCheckpointError` for anything else, `CorruptCheckpointError` for a broken
+    pickle. Called on: whichever ranks read the metadata."""
+    collecting = gc.isenabled()
+    gc.disable()  # a big metadata is ~100k young objects: collections would dominate the read
+    try:
+        return run(data, dcp_globals())
+    except Refused as e:
+        raise UnsafeCheckpointError(
+            f"{where}: DCP metadata asks for {e}, which trainckpt does not load (it could run "
+            "code); nothing from it was run. The checkpoint was crafted or is not a plain DCP "
+            "checkpoint: load an older checkpoint or restore it from a trusted copy"
+        ) from e
+    except Exception as e:  # a broken program: truncated, stack or memo misuse
+        raise CorruptCheckpointError(
+            f"{where} cannot be read as DCP metadata ({type(e).__name__}: {short(str(e))}); "
+            "the checkpoint is damaged: restore it from a copy or use an older checkpoint"
+        ) from e
+    finally:
+        if collecting:
+            gc.enable()
