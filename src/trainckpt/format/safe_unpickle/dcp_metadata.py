@@ -1,6 +1,6 @@
 """DCP's `.metadata` (a plain protocol-2..5 pickle, which PyTorch's `weights_only` unpickler
-cannot read): `load_dcp_metadata` runs it on the interpreter of `dcp_opcodes`, whose globals
-are the exact table of `dcp_globals`."""
+cannot read): `load_dcp_metadata` runs it opcode by opcode through the dispatch table of
+`dcp_opcodes`, whose globals are the exact table of `dcp_globals`."""
 
 from __future__ import annotations
 
@@ -8,13 +8,33 @@ import gc
 from typing import Any
 
 from trainckpt.errors import CorruptCheckpointError, UnsafeCheckpointError
-from trainckpt.format.safe_unpickle.dcp_globals import dcp_globals
-from trainckpt.format.safe_unpickle.dcp_opcodes import run
+from trainckpt.format.safe_unpickle.dcp_globals import DcpGlobals, dcp_globals
+from trainckpt.format.safe_unpickle.dcp_machine import Machine, Malformed
+from trainckpt.format.safe_unpickle.dcp_opcodes import DISPATCH
 from trainckpt.format.safe_unpickle.refusal import Refused, short
 
 
+def run(data: bytes, admitted: DcpGlobals) -> Any:
+    """The object the pickle program in `data` builds. Raises `Refused` for anything the
+    tables do not admit and `Malformed` (or the IndexError/KeyError of a stack or memo misuse)
+    for a broken program."""
+    m = Machine(data, admitted)
+    dispatch = DISPATCH
+    try:
+        while True:
+            op = data[m.pos]
+            m.pos += 1
+            done = dispatch[op](m)
+            if done is not None:
+                return done[0]
+    except IndexError:
+        if m.pos >= len(data):
+            raise Malformed("truncated") from None
+        raise
+
+
 def load_dcp_metadata(data: bytes, where: str) -> Any:
-    """The object DCP pickled into its `.metadata` file `where`, read by `dcp_opcodes.run` (which
+    """The object DCP pickled into its `.metadata` file `where`, read by `run` (which
     builds only DCP's records, torch sizes/dtypes/layouts/devices and plain containers).
     Raises `UnsafeCheckpointError` for anything else, `CorruptCheckpointError` for a broken
     pickle. Called on: whichever ranks read the metadata."""

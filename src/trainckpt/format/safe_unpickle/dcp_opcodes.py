@@ -1,4 +1,4 @@
-"""The interpreter of DCP's `.metadata` pickles: a dispatch table, as CPython's own `Unpickler`
+"""The opcodes of DCP's `.metadata` pickles: a dispatch table, as CPython's own `Unpickler`
 has, of one small function per admitted opcode, and an explicit table of the opcodes it refuses.
 
 It admits the data opcodes of protocols 2 to 5 that `pickle.dumps` writes. Globals come only
@@ -13,104 +13,38 @@ from __future__ import annotations
 import pickle
 import pickletools
 import struct
-from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any
 
-from trainckpt.format.safe_unpickle.dcp_globals import DcpGlobals, Record
+from trainckpt.format.safe_unpickle.dcp_machine import (
+    Handler,
+    Machine,
+    Malformed,
+    call_checked,
+    container,
+    lookup,
+    pop_mark,
+    take,
+    text,
+)
 from trainckpt.format.safe_unpickle.refusal import Refused, short
 
-
-class Malformed(Exception):
-    """The pickle is not a well-formed program (truncated, stack or memo misuse)."""
-
-
-class Machine:
-    """One run: the pickle's bytes and read position, its stack, marks and memo, and the
-    records built so far (checked complete at STOP)."""
-
-    __slots__ = ("data", "pos", "stack", "marks", "memo", "built", "globals")
-
-    def __init__(self, data: bytes, admitted: DcpGlobals) -> None:
-        self.data = data
-        self.pos = 0
-        self.stack: list[Any] = []
-        self.marks: list[int] = []
-        self.memo: dict[int, Any] = {}
-        self.built: list[tuple[Record, Any]] = []
-        self.globals = admitted
-
-
-Handler = Callable[[Machine], "tuple[Any] | None"]
-"""An opcode's function: reads its argument at `m.pos`, works the stack; returns None, or (for
-STOP) a 1-tuple of the result."""
-
-_unpack = struct.unpack_from
-
-
-def _take(m: Machine, n: int) -> bytes:
-    """The next `n` bytes of the program."""
-    pos = m.pos
-    if n < 0 or pos + n > len(m.data):
-        raise Malformed("truncated")
-    m.pos = pos + n
-    return m.data[pos : pos + n]
-
-
-def _text(raw: bytes) -> str:
-    return raw.decode("utf-8", "surrogatepass")
-
-
-def _pop_mark(m: Machine) -> list[Any]:
-    """The items above the newest MARK, taken off the stack."""
-    start = m.marks.pop()
-    items = m.stack[start:]
-    del m.stack[start:]
-    return items
-
-
-def _target(m: Machine, kind: type) -> Any:
-    """The container on top of the stack, if it is exactly `kind` (or an OrderedDict for a
-    dict): items are never added to a record or anything else with its own methods."""
-    target = m.stack[-1]
-    if type(target) is not kind and not (kind is dict and type(target) is OrderedDict):
-        raise Refused(f"adding items to {short(type(target))}")
-    return target
-
-
-def _lookup(m: Machine, module: Any, name: Any) -> Any:
-    """The global (module, name) if the table has exactly it: no dotted-name walk, no import."""
-    if type(module) is not str or type(name) is not str:
-        raise Refused("a global named by something other than two names")
-    try:
-        return m.globals.by_name[(module, name)]
-    except KeyError:
-        raise Refused(
-            f"global {short(f'{module}.{name}')} (not one of DCP's records, "
-            "torch sizes/dtypes/layouts/devices or plain containers)"
-        ) from None
-
-
-def _call(func: Any, args: tuple[Any, ...]) -> Any:
-    """A checking constructor or record build; any failure inside it is a refusal."""
-    try:
-        return func(*args)
-    except Refused:
-        raise
-    except Exception as e:
-        raise Refused(f"{getattr(func, '__qualname__', func)} refused its arguments: {e}") from e
+_U16 = struct.Struct("<H").unpack_from
+_I32 = struct.Struct("<i").unpack_from
+_U32 = struct.Struct("<I").unpack_from
+_U64 = struct.Struct("<Q").unpack_from
+_F64 = struct.Struct(">d").unpack_from
 
 
 # -- framing ------------------------------------------------------------------------------------
 
 
 def _proto(m: Machine) -> None:
-    if _take(m, 1)[0] > 5:
+    if take(m, 1)[0] > 5:
         raise Malformed("unsupported pickle protocol")
 
 
 def _frame(m: Machine) -> None:
-    _take(m, 8)  # a buffering hint; the whole pickle is in memory
+    take(m, 8)  # a buffering hint; the whole pickle is in memory
 
 
 def _stop(m: Machine) -> tuple[Any]:
@@ -137,7 +71,7 @@ def _newfalse(m: Machine) -> None:
 
 
 def _binint(m: Machine) -> None:
-    m.stack.append(_unpack("<i", _take(m, 4))[0])
+    m.stack.append(_I32(take(m, 4))[0])
 
 
 def _binint1(m: Machine) -> None:
@@ -146,48 +80,48 @@ def _binint1(m: Machine) -> None:
 
 
 def _binint2(m: Machine) -> None:
-    m.stack.append(_unpack("<H", m.data, m.pos)[0])
+    m.stack.append(_U16(m.data, m.pos)[0])
     m.pos += 2
 
 
 def _long1(m: Machine) -> None:
-    m.stack.append(int.from_bytes(_take(m, _take(m, 1)[0]), "little", signed=True))
+    m.stack.append(int.from_bytes(take(m, take(m, 1)[0]), "little", signed=True))
 
 
 def _long4(m: Machine) -> None:
-    n = _unpack("<i", _take(m, 4))[0]
-    m.stack.append(int.from_bytes(_take(m, n), "little", signed=True))
+    n = _I32(take(m, 4))[0]
+    m.stack.append(int.from_bytes(take(m, n), "little", signed=True))
 
 
 def _binfloat(m: Machine) -> None:
-    m.stack.append(_unpack(">d", _take(m, 8))[0])
+    m.stack.append(_F64(take(m, 8))[0])
 
 
 def _short_binunicode(m: Machine) -> None:
     data, pos = m.data, m.pos
     n = data[pos]
-    m.stack.append(_text(data[pos + 1 : pos + 1 + n]))
+    m.stack.append(text(data[pos + 1 : pos + 1 + n]))
     m.pos = pos + 1 + n
 
 
 def _binunicode(m: Machine) -> None:
-    m.stack.append(_text(_take(m, _unpack("<I", _take(m, 4))[0])))
+    m.stack.append(text(take(m, _U32(take(m, 4))[0])))
 
 
 def _binunicode8(m: Machine) -> None:
-    m.stack.append(_text(_take(m, _unpack("<Q", _take(m, 8))[0])))
+    m.stack.append(text(take(m, _U64(take(m, 8))[0])))
 
 
 def _short_binbytes(m: Machine) -> None:
-    m.stack.append(_take(m, _take(m, 1)[0]))
+    m.stack.append(take(m, take(m, 1)[0]))
 
 
 def _binbytes(m: Machine) -> None:
-    m.stack.append(_take(m, _unpack("<I", _take(m, 4))[0]))
+    m.stack.append(take(m, _U32(take(m, 4))[0]))
 
 
 def _binbytes8(m: Machine) -> None:
-    m.stack.append(_take(m, _unpack("<Q", _take(m, 8))[0]))
+    m.stack.append(take(m, _U64(take(m, 8))[0]))
 
 
 # -- containers -----------------------------------------------------------------------------------
@@ -212,7 +146,7 @@ def _tuple3(m: Machine) -> None:
 
 
 def _tuple(m: Machine) -> None:
-    m.stack.append(tuple(_pop_mark(m)))
+    m.stack.append(tuple(pop_mark(m)))
 
 
 def _empty_list(m: Machine) -> None:
@@ -221,12 +155,12 @@ def _empty_list(m: Machine) -> None:
 
 def _append(m: Machine) -> None:
     item = m.stack.pop()
-    _target(m, list).append(item)
+    container(m, list).append(item)
 
 
 def _appends(m: Machine) -> None:
-    items = _pop_mark(m)
-    _target(m, list).extend(items)
+    items = pop_mark(m)
+    container(m, list).extend(items)
 
 
 def _empty_dict(m: Machine) -> None:
@@ -235,12 +169,12 @@ def _empty_dict(m: Machine) -> None:
 
 def _setitem(m: Machine) -> None:
     value, key = m.stack.pop(), m.stack.pop()
-    _target(m, dict)[key] = value
+    container(m, dict)[key] = value
 
 
 def _setitems(m: Machine) -> None:
-    items = _pop_mark(m)
-    target = _target(m, dict)
+    items = pop_mark(m)
+    target = container(m, dict)
     if len(items) % 2:
         raise Malformed("SETITEMS with a key and no value")
     for i in range(0, len(items), 2):
@@ -252,12 +186,12 @@ def _empty_set(m: Machine) -> None:
 
 
 def _additems(m: Machine) -> None:
-    items = _pop_mark(m)
-    _target(m, set).update(items)
+    items = pop_mark(m)
+    container(m, set).update(items)
 
 
 def _frozenset(m: Machine) -> None:
-    m.stack.append(frozenset(_pop_mark(m)))
+    m.stack.append(frozenset(pop_mark(m)))
 
 
 # -- stack and memo -------------------------------------------------------------------------------
@@ -275,7 +209,7 @@ def _pop(m: Machine) -> None:
 
 
 def _pop_mark_op(m: Machine) -> None:
-    _pop_mark(m)
+    pop_mark(m)
 
 
 def _memoize(m: Machine) -> None:
@@ -289,7 +223,7 @@ def _binput(m: Machine) -> None:
 
 
 def _long_binput(m: Machine) -> None:
-    m.memo[_unpack("<I", m.data, m.pos)[0]] = m.stack[-1]
+    m.memo[_U32(m.data, m.pos)[0]] = m.stack[-1]
     m.pos += 4
 
 
@@ -299,7 +233,7 @@ def _binget(m: Machine) -> None:
 
 
 def _long_binget(m: Machine) -> None:
-    m.stack.append(m.memo[_unpack("<I", m.data, m.pos)[0]])
+    m.stack.append(m.memo[_U32(m.data, m.pos)[0]])
     m.pos += 4
 
 
@@ -309,7 +243,7 @@ def _long_binget(m: Machine) -> None:
 def _global(m: Machine) -> None:
     module = _line(m)
     name = _line(m)
-    m.stack.append(_lookup(m, module, name))
+    m.stack.append(lookup(m, module, name))
 
 
 def _line(m: Machine) -> str:
@@ -324,7 +258,7 @@ def _line(m: Machine) -> str:
 
 def _stack_global(m: Machine) -> None:
     name, module = m.stack.pop(), m.stack.pop()
-    m.stack.append(_lookup(m, module, name))
+    m.stack.append(lookup(m, module, name))
 
 
 def _reduce(m: Machine) -> None:
@@ -332,7 +266,7 @@ def _reduce(m: Machine) -> None:
     func = m.stack[-1]
     if id(func) not in m.globals.constructors or type(args) is not tuple:
         raise Refused(f"REDUCE of {short(func)}: only the table's constructors")
-    m.stack[-1] = _call(func, args)
+    m.stack[-1] = call_checked(func, args)
 
 
 def _newobj(m: Machine) -> None:
@@ -352,7 +286,7 @@ def _build(m: Machine) -> None:
     record = m.globals.records.get(id(type(inst)))
     if record is None:
         raise Refused(f"BUILD of {short(type(inst))}: only DCP's records")
-    _call(record.build, (inst, state))
+    call_checked(record.build, (inst, state))
 
 
 HANDLED: dict[bytes, Handler] = {
@@ -449,7 +383,8 @@ def _refuser(code: bytes) -> Handler:
 
 
 def _not_an_opcode(m: Machine) -> None:
-    raise Refused(f"byte {m.data[m.pos - 1 : m.pos]!r} at {m.pos - 1}, which is no pickle opcode")
+    byte = m.data[m.pos - 1 : m.pos]
+    raise Refused(f"byte {byte!r} at {m.pos - 1}: not a data opcode (no pickle opcode at all)")
 
 
 DISPATCH: list[Handler] = [_not_an_opcode] * 256
@@ -459,22 +394,3 @@ for _code, _handler in HANDLED.items():
     DISPATCH[_code[0]] = _handler
 for _code in REFUSED:
     DISPATCH[_code[0]] = _refuser(_code)
-
-
-def run(data: bytes, admitted: DcpGlobals) -> Any:
-    """The object the pickle program in `data` builds. Raises `Refused` for anything the
-    tables do not admit and `Malformed` (or the IndexError/KeyError of a stack or memo misuse)
-    for a broken program."""
-    m = Machine(data, admitted)
-    dispatch = DISPATCH
-    try:
-        while True:
-            op = data[m.pos]
-            m.pos += 1
-            done = dispatch[op](m)
-            if done is not None:
-                return done[0]
-    except IndexError:
-        if m.pos >= len(data):
-            raise Malformed("truncated") from None
-        raise
