@@ -57,6 +57,8 @@ def flaky(request: pytest.FixtureRequest) -> Iterator[Flaky]:
             fail_http,
             lambda: sum(1 for m, p, _ in server.requests if m == "GET" and p == path),
         )
+        server.failures.clear()  # the server lives for the session
+        server.failure_path = None
     elif kind == "s3":
         s3_server = request.getfixturevalue("s3_server")
         bucket = request.getfixturevalue("s3_bucket").removeprefix("s3://")

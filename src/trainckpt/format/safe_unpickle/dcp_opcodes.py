@@ -340,7 +340,7 @@ HANDLED: dict[bytes, Handler] = {
 
 _CALLS_CODE = "it calls, imports or looks up code outside the table"
 _OUT_OF_BAND = "its data lies outside the pickle (out-of-band buffers)"
-_NOT_WRITTEN = "pickle.dumps of protocol 2 to 5 does not write it for DCP's records"
+_NOT_WRITTEN = "a protocol 0/1 form, or one pickle.dumps never writes for DCP's records"
 
 REFUSED: dict[bytes, str] = {
     pickle.PERSID: _CALLS_CODE,
@@ -367,8 +367,9 @@ REFUSED: dict[bytes, str] = {
     pickle.GET: _NOT_WRITTEN,
     pickle.PUT: _NOT_WRITTEN,
 }
-"""Every opcode the interpreter refuses, with why (the text protocols 0/1 and the rest that
-`pickle.dumps` writes for DCP's records never appear in a real `.metadata`)."""
+"""Every opcode the interpreter refuses, with why. Besides the ones that reach code or data
+outside the pickle, these are forms a real `.metadata` never holds: refusing them keeps the
+interpreter small."""
 
 _NAMES = {op.code.encode("latin-1"): op.name for op in pickletools.opcodes}
 
