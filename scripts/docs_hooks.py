@@ -13,7 +13,7 @@ MARKER = "<!-- generated: CheckpointerConfig -->"
 
 def config_reference() -> str:
     """A Markdown table of every `CheckpointerConfig` field, in declaration order."""
-    from trainckpt.config import CheckpointerConfig
+    from trainckpt.checkpointer import CheckpointerConfig
 
     rows = ["| field | type | default | meaning |", "| --- | --- | --- | --- |"]
     for name, info in CheckpointerConfig.model_fields.items():

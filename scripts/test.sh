@@ -8,6 +8,9 @@ bash scripts/setup.sh
 export NO_GCE_CHECK=true
 .venv/bin/ruff check src tests scripts
 .venv/bin/mypy
+# the public modules, strictly: what the type checkers of trainckpt's users read
+.venv/bin/mypy --strict --follow-imports=silent src/trainckpt/__init__.py \
+  src/trainckpt/checkpointer.py src/trainckpt/manager.py src/trainckpt/integrations
 cores=$(nproc 2>/dev/null || echo 2)
 workers=${TEST_WORKERS:-$((cores < 4 ? cores : 4))}
 # --dist loadfile: a file's tests stay on one worker, so its module fixtures are built once;

@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING
 from trainckpt.version import __version__
 
 if TYPE_CHECKING:
-    from trainckpt.checkpointer import Checkpointer
-    from trainckpt.config import CheckpointerConfig
+    from trainckpt.checkpointer import Checkpointer, CheckpointerConfig
     from trainckpt.core.save_report import SaveReport
     from trainckpt.errors import (
         CheckpointError,
@@ -56,7 +55,7 @@ _ERRORS = (
 
 _WHERE: dict[str, tuple[str, str]] = {
     "Checkpointer": ("trainckpt.checkpointer", "Checkpointer"),
-    "CheckpointerConfig": ("trainckpt.config", "CheckpointerConfig"),
+    "CheckpointerConfig": ("trainckpt.checkpointer", "CheckpointerConfig"),
     "SaveReport": ("trainckpt.core.save_report", "SaveReport"),
     "CheckpointManifest": ("trainckpt.format.records", "CheckpointManifest"),
     "CheckpointMetadata": ("trainckpt.format.records", "CheckpointMetadata"),

@@ -1,10 +1,16 @@
-"""`Checkpointer`: save, save_async and load of whole training checkpoints; its finding and
-inspection classmethods delegate to `format.folder` and `format.verify`."""
+"""`Checkpointer`: save, save_async and load of whole training checkpoints, and
+`CheckpointerConfig`, its settings; one module for the pair, as OLMo-core keeps them, so the
+config's `build()` needs no import back. The finding and inspection classmethods delegate to
+`format.folder` and `format.verify`."""
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import json
 import logging
 import os
+import tempfile
 import threading
 import time
 import weakref
@@ -12,29 +18,36 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar, cast, overload
 
-from trainckpt.config import CheckpointerConfig
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from trainckpt.core import amend, dist, exit_guard
+from trainckpt.core.claim import DEFAULT_LEASE, MAX_LEASE
 from trainckpt.core.commit import SaveRequest, delete_checkpoint, save_checkpoint
 from trainckpt.core.direct import saves_directly
 from trainckpt.core.futures import CallbacksFirstFuture
 from trainckpt.core.gc_pause import paused_gc
 from trainckpt.core.incremental import History
-from trainckpt.core.load import LoadRequest, load_checkpoint
+from trainckpt.core.load import LoadRequest, VerifyOnLoad, load_checkpoint
 from trainckpt.core.local_tier import LocalTier, load_into
 from trainckpt.core.rank_write import ListedFiles, TrainingFiles
 from trainckpt.core.save_report import SavedPath, SaveReport, TimedFiles
 from trainckpt.core.staging import Stager, StreamMark
+from trainckpt.core.trainer_tensors import DeferredTrainerState
+from trainckpt.core.trainer_tensors import prepare as prepare_trainer_state
 from trainckpt.errors import (
     CheckpointError,
     ConfigurationError,
     StorageError,
+    UnknownSettingError,
+    settings_error,
 )
 from trainckpt.format import folder as save_folder
 from trainckpt.format import layout
 from trainckpt.format.records import CheckpointMetadata
-from trainckpt.format.trainer_state import serialize_trainer_state
+from trainckpt.format.trainer_state import DEFAULT_MAX_BYTES
 from trainckpt.format.verify import (
     Progress,
     VerifyReport,
@@ -49,6 +62,226 @@ if TYPE_CHECKING:  # imports DCP, which loads with the first save
     from trainckpt.core.writer_process import WriterProcess
 
 log = logging.getLogger(__name__)
+
+
+def default_work_dir() -> Path:
+    """`<tmp>/trainckpt-<uid>`: the `work_dir` of a `Checkpointer` given none."""
+    return Path(tempfile.gettempdir()) / f"trainckpt-{os.getuid() if hasattr(os, 'getuid') else 0}"
+
+
+def _config_error(error: ValidationError, where: str) -> ConfigurationError:
+    """pydantic's complaint as a `ConfigurationError` naming each field; a misspelt field gets
+    the closest real one ("did you mean 'work_dir'?")."""
+    fields = list(CheckpointerConfig.model_fields)
+    hints = [
+        f"'{close[0]}' for '{err['loc'][0]}'"
+        for err in error.errors()
+        if err["type"] == "extra_forbidden" and err["loc"]
+        for close in [difflib.get_close_matches(str(err["loc"][0]), fields, n=1)]
+        if close
+    ]
+    message = str(settings_error(error, where, "checkpointer settings"))
+    if hints:
+        message += f" (did you mean {', '.join(hints)}?)"
+    return ConfigurationError(message)
+
+
+class CheckpointerConfig(BaseModel):
+    """Settings of a `Checkpointer`. Unknown keys are refused, so a typo cannot pass silently.
+
+    The one place the settings, their defaults and their limits are declared: a `Checkpointer`
+    holds its validated settings as an instance of this class (`Checkpointer.config`).
+    """
+
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
+    )
+
+    work_dir: Path | None = None
+    """Node-local scratch folder: staging of uploads to object stores and the cache of files
+    downloaded from URLs. Not the save folder. None: OLMo-core's `TrainerConfig.build` sets its
+    trainer's `work_dir`; otherwise `<tmp>/trainckpt-<uid>`."""
+    save_overwrite: bool | None = None
+    """Replace a committed checkpoint of the same step instead of refusing to save. None:
+    OLMo-core's `TrainerConfig.build` sets its trainer's `save_overwrite`; otherwise False."""
+    pre_download: bool = False
+    """When loading from a URL, download the files this rank needs before reading them, instead
+    of reading byte ranges on demand."""
+    save_thread_count: int | None = Field(default=None, ge=1, le=64)
+    """Threads per rank writing files, and uploading them to object stores; None picks
+    min(4, CPUs) for writing and 8 for uploads (which wait on the network, not the CPU)."""
+    async_writer: Literal["thread", "process"] = "thread"
+    """Who writes the files of `save_async`: threads of the training process, or a separate
+    writer process that reads the staged state from shared memory, so the writing never
+    competes with training for the interpreter lock (docs/performance.md). The process costs
+    a Python interpreter with torch (started at the first async save) and stages into shared
+    memory (a `memfd`, not `/dev/shm`); its threads: `save_thread_count`, or the cores
+    training leaves free."""
+    incremental: bool = True
+    """Incremental saves (docs/incremental.md): items whose bytes (xxh3-128 hash) did not change
+    since this checkpointer's previous save fill files of their own, and such a file is taken
+    over by a hard link (local/NFS) or a server-side copy (gs://, s3://) instead of being
+    written and uploaded again. Every checkpoint stays complete and loads alone. False: every
+    save writes every byte."""
+    load_thread_count: int | None = Field(default=None, ge=1, le=64)
+    """Threads per rank reading (and downloading) files; None picks min(4, CPUs)."""
+    throttle_uploads: bool = False
+    """Upload to object stores one rank per node at a time, to spare each node's network.
+    Ranks on the same host take turns in ascending rank order (the host's first rank uploads
+    all its files, then its second, ...); each turn ends with a barrier on the checkpointer's
+    process group, so nodes upload in parallel but never two ranks of one node. A turn must
+    fit within `collective_timeout`. Local/NFS saves ignore it."""
+    fs_timeout: float = Field(default=120.0, gt=0)
+    """Seconds to wait for files and folders written by another rank to become visible
+    (shared filesystems lag) before failing with an error saying what was awaited."""
+    collective_timeout: float = Field(default=600.0, gt=0)
+    """Seconds a collective of the checkpointer's own process group may wait for a peer; a rank
+    that died during a save makes the others fail after at most this long."""
+    retry_deadline: float = Field(default=300.0, gt=0)
+    """Seconds a remote storage request may keep retrying transient errors."""
+    claim_lease: float = Field(default=DEFAULT_LEASE, gt=0, le=MAX_LEASE)
+    """Object stores: seconds a save's claim on its step stays live without renewal. Rank 0
+    renews it six times per period while the save runs; another save of the same step that
+    sees it renewed fails at once, and one that sees it unchanged for this long (its save
+    crashed) takes the step over. So a save after a crash waits up to this long; a save that
+    stalls for longer than this loses its step and fails instead of committing."""
+    on_rollback: Literal["replace", "refuse"] = "replace"
+    """What a run that resumes from an older step than the newest committed one in its save
+    folder does with the newer checkpoints (docs/rollback.md): `replace` abandons them (no
+    finder reports them again; the run's saves of those steps replace them); `refuse` raises
+    an error naming them instead, and abandons nothing."""
+    local_dir: Path | None = None
+    """Folder of the node-local tier (`save_local`): on each node's own disk (NVMe,
+    `/dev/shm`), the same path on every node. None: no local tier."""
+    replication_factor: int = Field(default=2, ge=1, le=16)
+    """Copies of each rank's local part, its own included, each on another node."""
+    replication_jump: int | None = Field(default=None, ge=1)
+    """Ranks between a local part and its replica; None: the ranks per node
+    (`LOCAL_WORLD_SIZE`), so replicas land on the next node."""
+    local_keep: int = Field(default=2, ge=1)
+    """Committed steps the local tier keeps."""
+    verify_on_load: VerifyOnLoad = "size"
+    """Check files against the manifest before loading: none, size (cheap) or full (CRC32C)."""
+    max_trainer_state_bytes: int = Field(default=DEFAULT_MAX_BYTES, ge=1)
+    """Largest trainer-state file (`train/rank{R}.pt`) a save writes and a load reads: a larger
+    one is refused by its size before it is read (docs/limits.md). Default 1 GiB."""
+    exit_timeout: float = Field(default=300.0, ge=0)
+    """Seconds a process that ends (or gets SIGTERM, where the trainer has no handler of its
+    own) without `close()` waits for its in-flight async save to commit; a save that does not
+    commit in time is logged as an ERROR naming it. 0 does not wait."""
+
+    # -- every way in raises `ConfigurationError` naming the field, never pydantic's own error --
+    def __init__(self, **settings: Any) -> None:
+        """`CheckpointerConfig(work_dir=..., ...)`; an unknown or invalid field raises
+        `ConfigurationError` naming it."""
+        try:
+            super().__init__(**settings)
+        except ValidationError as e:
+            raise _config_error(e, type(self).__name__) from e
+
+    # pydantic runs a custom __init__ inside model_validate and would wrap our error in its own;
+    # this one only translates errors, so validation may skip it (as it skips BaseModel's)
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as e:
+            raise _config_error(e, type(self).__name__) from e
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> CheckpointerConfig:
+        """pydantic's `model_validate`, raising `ConfigurationError` naming each bad field."""
+        return cls.validated(obj, cls.__name__, **kwargs)
+
+    @classmethod
+    def model_validate_json(cls, json_data: Any, **kwargs: Any) -> CheckpointerConfig:
+        """pydantic's `model_validate_json`, raising `ConfigurationError` naming each bad field."""
+        try:
+            return super().model_validate_json(json_data, **kwargs)
+        except ValidationError as e:
+            raise _config_error(e, cls.__name__) from e
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> CheckpointerConfig:
+        """Read a YAML or JSON file (a top-level `checkpointer:` key is accepted too)."""
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except FileNotFoundError as e:
+            raise ConfigurationError(f"config file '{p}' does not exist") from e
+        try:
+            raw = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+        except (json.JSONDecodeError, yaml.YAMLError) as e:
+            raise ConfigurationError(f"config file '{p}' is not valid YAML/JSON: {e}") from e
+        raw = raw or {}
+        if not isinstance(raw, dict):
+            raise ConfigurationError(f"config file '{p}' must hold a mapping of settings")
+        if "checkpointer" in raw and isinstance(raw["checkpointer"], dict):
+            raw = raw["checkpointer"]
+        return cls.validated(raw, where=str(p))
+
+    @classmethod
+    def validated(
+        cls, raw: Any, where: str = "CheckpointerConfig", **kwargs: Any
+    ) -> CheckpointerConfig:
+        """Validate `raw`, turning pydantic's errors into one message that names each field
+        (`where`: the file or caller the settings came from)."""
+        try:
+            return super().model_validate(raw, **kwargs)
+        except ValidationError as e:
+            raise _config_error(e, where) from e
+
+    def updated(self, where: str = "CheckpointerConfig", **changes: Any) -> CheckpointerConfig:
+        """A copy with `changes` applied and validated (`where` names the caller in errors)."""
+        return self.validated({**self.model_dump(), **changes}, where) if changes else self
+
+    def with_defaults(self) -> CheckpointerConfig:
+        """A copy with the settings a trainer may fill in, if left None, set to their defaults:
+        `work_dir` `<tmp>/trainckpt-<uid>`, `save_overwrite` False."""
+        return self.model_copy(
+            update={
+                "work_dir": default_work_dir() if self.work_dir is None else self.work_dir,
+                "save_overwrite": bool(self.save_overwrite),
+            }
+        )
+
+    def build(
+        self, process_group: dist.ProcessGroup | None = None, **overrides: Any
+    ) -> Checkpointer:
+        """A `Checkpointer` with these settings, `overrides` applied (and validated) on top;
+        settings left None take the `Checkpointer`'s defaults.
+
+        Called on: all ranks (the checkpointer may create its own process group).
+        """
+        settings = self.updated(**overrides).model_dump(exclude_none=True)
+        return Checkpointer(process_group=process_group, **settings)
+
+
+_T = TypeVar("_T")
+
+
+class _Setting(Generic[_T]):
+    """A setting of a `Checkpointer` as a typed attribute: read from its `config`, and written
+    into a new `config` validated by `CheckpointerConfig` (an invalid value raises
+    `ConfigurationError` naming it). Values that the checkpointer derived at construction
+    (its process group, storage options, local tier) stay as they were."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> _Setting[_T]: ...
+    @overload
+    def __get__(self, obj: Checkpointer, owner: type) -> _T: ...
+    def __get__(self, obj: Checkpointer | None, owner: type) -> _Setting[_T] | _T:
+        if obj is None:
+            return self
+        return cast(_T, getattr(obj.config, self.name))
+
+    def __set__(self, obj: Checkpointer, value: _T) -> None:
+        changed = obj.config.updated("Checkpointer", **{self.name: value})
+        obj.config = changed.with_defaults()
 
 
 def _failed(target: str, error: Exception) -> CheckpointError:
@@ -73,15 +306,40 @@ class Checkpointer:
     In a multi-rank job it runs its own collectives on `process_group`, a gloo group it creates
     when none is given (creating it is collective: construct the Checkpointer on all ranks).
 
-    Its settings are `CheckpointerConfig`'s fields: constructor keywords, validated there, and
-    read and written as attributes of the same names (`ckpt.work_dir`), held in `config`.
+    Its settings are `CheckpointerConfig`'s fields: constructor keywords, validated there, held
+    in `config`, and read and written as typed attributes of the same names (`ckpt.work_dir`).
     """
 
     METADATA_FNAME: ClassVar[str] = layout.METADATA_FILE
 
+    # The settings as typed attributes (`_Setting`); a test checks they are the config's fields.
+    work_dir = _Setting[Path]()
+    save_overwrite = _Setting[bool]()
+    pre_download = _Setting[bool]()
+    save_thread_count = _Setting[int | None]()
+    async_writer = _Setting[Literal["thread", "process"]]()
+    incremental = _Setting[bool]()
+    load_thread_count = _Setting[int | None]()
+    throttle_uploads = _Setting[bool]()
+    fs_timeout = _Setting[float]()
+    collective_timeout = _Setting[float]()
+    retry_deadline = _Setting[float]()
+    claim_lease = _Setting[float]()
+    on_rollback = _Setting[Literal["replace", "refuse"]]()
+    local_dir = _Setting[Path | None]()
+    replication_factor = _Setting[int]()
+    replication_jump = _Setting[int | None]()
+    local_keep = _Setting[int]()
+    verify_on_load = _Setting[VerifyOnLoad]()
+    max_trainer_state_bytes = _Setting[int]()
+    exit_timeout = _Setting[float]()
+
     config: CheckpointerConfig
     """The settings, validated, with `work_dir` and `save_overwrite` filled in if left None."""
     process_group: dist.ProcessGroup | None
+    last_save_report: SaveReport | None
+    """Figures of the last committed `save`/`save_async` (`save_report.py`); also on the
+    path they return: `ckpt.save(...).report`, `ckpt.save_async(...).result().report`."""
 
     def __init__(self, *, process_group: dist.ProcessGroup | None = None, **settings: Any) -> None:
         """`settings`: `CheckpointerConfig`'s fields by name; an invalid one raises
@@ -113,9 +371,7 @@ class Checkpointer:
         self._pending_dir = ""
         self._staging: Future[None] | None = None
         self._stager = Stager(on_release=self._unmap_staging)
-        self.last_save_report: SaveReport | None = None
-        """Figures of the last committed `save`/`save_async` (`save_report.py`); also on the
-        path they return: `ckpt.save(...).report`, `ckpt.save_async(...).result().report`."""
+        self.last_save_report = None
         self._writer: WriterProcess | None = None
         if self.async_writer == "process":
             self._writer_process().start()  # its start-up overlaps the trainer's
@@ -137,24 +393,23 @@ class Checkpointer:
             )
         )
 
-    def __getattr__(self, name: str) -> Any:
-        """A setting read as an attribute (`ckpt.work_dir`) comes from `config`."""
-        config = self.__dict__.get("config")
-        if config is not None and name in CheckpointerConfig.model_fields:
-            return getattr(config, name)
-        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+    if not TYPE_CHECKING:  # type checkers, not seeing these, refuse unknown names themselves
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        """A setting written as an attribute is validated into `config`."""
-        if name in CheckpointerConfig.model_fields:
-            value = self.config.updated("Checkpointer", **{name: value}).with_defaults()
-            name = "config"
-        super().__setattr__(name, value)
+        def __getattr__(self, name: str) -> Any:
+            """Reached only for a name the checkpointer lacks: refused, naming the setting."""
+            raise _unknown_attribute(self, name)
+
+        def __setattr__(self, name: str, value: Any) -> None:
+            """A public name the class does not declare is refused: a misspelt setting
+            (`ckpt.wrok_dir = ...`) would otherwise be stored and never used."""
+            if not (name.startswith("_") or hasattr(type(self), name) or name in _DECLARED):
+                raise _unknown_attribute(self, name)
+            super().__setattr__(name, value)
 
     # -- saving ---------------------------------------------------------------------------------
     def save(
         self,
-        dir: str | os.PathLike,
+        dir: str | os.PathLike[str],
         train_module: TrainModule,
         train_state: dict[str, Any],
         *,
@@ -167,7 +422,9 @@ class Checkpointer:
         self._finish_pending()
         start = time.perf_counter()
         req = self._request(dir, ephemeral)
-        trainer_bytes, state = self._prepare(req.dir, train_module, train_state, stage=False)
+        trainer, state = self._prepare(req.dir, train_module, train_state, stage=False)
+        assert isinstance(trainer, bytes)  # serialized at once when not deferred
+        trainer_bytes = trainer
         self._stager.wait_for_trainer(state)  # the writer threads read GPU state on their streams
         files = TimedFiles(self._training_files(req, train_module, trainer_bytes, state))
         path = self._committed(req, save_checkpoint(req, files))
@@ -175,7 +432,7 @@ class Checkpointer:
 
     def save_async(
         self,
-        dir: str | os.PathLike,
+        dir: str | os.PathLike[str],
         train_module: TrainModule,
         train_state: dict[str, Any],
         *,
@@ -188,7 +445,8 @@ class Checkpointer:
         With `overlap_staging=True` it returns before the copy to CPU memory is done (the copy
         overlaps the next forward/backward); the caller must then call `wait_for_staging()`
         before the next optimizer step changes parameters (the next `save`, `save_async` and
-        `load` wait for it too). The trainer state is serialized during the call either way.
+        `load` wait for it too). The trainer state is checked and copied during the call either
+        way; its GPU tensors, if any, are staged with the module's (docs/gpu.md).
 
         The future resolves to the committed path only after the commit; until then no finder
         reports the checkpoint. One save runs at a time: this call first waits for the previous
@@ -212,11 +470,12 @@ class Checkpointer:
         self._finish_pending()
         start = time.perf_counter()
         req = self._request(dir, ephemeral)
-        trainer_bytes, state = self._prepare(
-            req.dir, train_module, train_state, stage=not overlap_staging
+        trainer, state = self._prepare(
+            req.dir, train_module, train_state, stage=not overlap_staging, defer=True
         )
         prepared = time.perf_counter()  # the call returns now: training is unblocked
-        mark = self._stager.mark(state) if overlap_staging else None  # GPU state as of now
+        to_stage = state if isinstance(trainer, bytes) else trainer.with_tensors(state)
+        mark = self._stager.mark(to_stage) if overlap_staging else None  # GPU state as of now
         staging: Future[None] = Future()
         if not overlap_staging:
             staging.set_result(None)
@@ -227,9 +486,12 @@ class Checkpointer:
             )
 
         def run() -> str:
-            staged = state
+            staged, trainer_bytes = state, trainer
             if overlap_staging:
-                staged = self._stage_in_background(req, state, staging, mark)
+                staged, trainer_bytes = self._stage_in_background(
+                    req, state, trainer, staging, mark
+                )
+            assert isinstance(trainer_bytes, bytes)
             staged_at = time.perf_counter() if overlap_staging else prepared
             files = TimedFiles(
                 self._training_files(req, train_module, trainer_bytes, staged, background=True)
@@ -276,7 +538,7 @@ class Checkpointer:
 
     def save_files(
         self,
-        dir: str | os.PathLike,
+        dir: str | os.PathLike[str],
         write_files: Callable[[Path], list[str]],
         *,
         ephemeral: bool = False,
@@ -319,16 +581,22 @@ class Checkpointer:
             self._writer.unmap_all()
 
     def _stage_in_background(
-        self, req: SaveRequest, state: dict[str, Any], done: Future[None], mark: StreamMark | None
-    ) -> dict[str, Any]:
-        """Copy `state` to CPU buffers off the training thread (after the training stream's
-        `mark`, on a GPU) and signal `done` once the copies are complete; every rank learns
-        whether every rank staged. Called on: all ranks (background thread)."""
+        self,
+        req: SaveRequest,
+        state: dict[str, Any],
+        trainer: bytes | DeferredTrainerState,
+        done: Future[None],
+        mark: StreamMark | None,
+    ) -> tuple[dict[str, Any], bytes]:
+        """Copy `state` (and the trainer state's GPU tensors) to CPU buffers off the training
+        thread (after the training stream's `mark`, on a GPU) and signal `done` once the copies
+        are complete; every rank learns whether every rank staged. Returns the staged state and
+        the trainer-state file's bytes. Called on: all ranks (background thread)."""
         error: Exception | None = None
-        staged: dict[str, Any] = {}
+        staged: tuple[dict[str, Any], bytes] = ({}, b"")
         start = time.perf_counter()
         try:
-            staged = self._stager.stage(state, after=mark, shared=self.async_writer == "process")
+            staged = self._stage(state, trainer, mark)
         except Exception as e:
             error = e
         if error is None:
@@ -341,7 +609,7 @@ class Checkpointer:
         dist.agree(error, f"staging the save of '{req.dir}'", self.process_group)
         return staged
 
-    def write_file(self, dir: str | os.PathLike, fname: str, contents: str | bytes) -> str:
+    def write_file(self, dir: str | os.PathLike[str], fname: str, contents: str | bytes) -> str:
         """Write one file into a folder, atomically; refused if it exists, unless
         `save_overwrite`. Returns its path. Into a committed checkpoint (OLMo-core's
         `ConfigSaverCallback` writes `config.json` into each), the file is added to its
@@ -393,37 +661,63 @@ class Checkpointer:
             raise
 
     def _prepare(
-        self, where: str, train_module: TrainModule, train_state: dict, *, stage: bool
-    ) -> tuple[bytes, dict[str, Any]]:
+        self,
+        where: str,
+        train_module: TrainModule,
+        train_state: dict[str, Any],
+        *,
+        stage: bool,
+        defer: bool = False,
+    ) -> tuple[bytes | DeferredTrainerState, dict[str, Any]]:
         """Serialize the trainer state and collect (and, for async saves, stage) the model
-        state; a module that saves itself (direct API) is asked for nothing here. Every rank
+        state; a module that saves itself (direct API) is asked for nothing here. A trainer
+        state with GPU tensors is staged with the model state (`trainer_tensors.py`); with
+        `defer` and not `stage`, it is returned unserialized, for `_stage` to finish. Every rank
         learns whether every rank succeeded: a rank that failed here and left would otherwise
         leave its peers waiting in the first collective of the save.
 
         Called on: all ranks.
         """
         error: Exception | None = None
-        trainer_bytes: bytes = b""
+        trainer: bytes | DeferredTrainerState = b""
         state: dict[str, Any] = {}
         try:
-            trainer_bytes = serialize_trainer_state(
-                train_state, where, self.max_trainer_state_bytes
+            trainer = prepare_trainer_state(
+                train_state, where, self.max_trainer_state_bytes, self._stager.cuda
             )
             if not saves_directly(train_module):
                 with paused_gc():  # thousands of entries: see core/gc_pause.py
                     state = train_module.state_dict_to_save()
             if stage:  # complete (GPU copies too) when it returns
-                state = self._stager.stage(state, shared=self.async_writer == "process")
+                state, trainer = self._stage(state, trainer)
+            elif not defer and not isinstance(trainer, bytes):  # a save(): read on this thread
+                trainer = trainer.serialize(trainer.tensors)
         except Exception as e:
             error = e
         dist.agree(error, f"preparing the save of '{where}'", self.process_group)
-        return trainer_bytes, state
+        return trainer, state
 
-    def _request(self, dir: str | os.PathLike, ephemeral: bool) -> SaveRequest:
+    def _stage(
+        self,
+        state: dict[str, Any],
+        trainer: bytes | DeferredTrainerState,
+        mark: StreamMark | None = None,
+    ) -> tuple[dict[str, Any], bytes]:
+        """Stage `state` and the trainer state's GPU tensors together (after `mark`); return
+        the staged state and the trainer-state file's bytes, serialized from the CPU copies.
+        Called on: all ranks (the thread that stages)."""
+        shared = self.async_writer == "process"
+        if isinstance(trainer, bytes):
+            return self._stager.stage(state, after=mark, shared=shared), trainer
+        staged = self._stager.stage(trainer.with_tensors(state), after=mark, shared=shared)
+        module_state, copies = DeferredTrainerState.split(staged)
+        return module_state, trainer.serialize(copies)
+
+    def _request(self, dir: str | os.PathLike[str], ephemeral: bool) -> SaveRequest:
         storage, path = resolve(dir, self._storage_options)
         if not storage.writable:
             raise ConfigurationError(f"cannot save to '{path}': that storage is read-only")
-        self._abandon_after_rollback(storage, path)
+        self._abandon_after_rollback(storage, storage.parent(path))
         return SaveRequest(
             storage=storage,
             dir=path,
@@ -443,7 +737,7 @@ class Checkpointer:
         req: SaveRequest,
         train_module: TrainModule,
         trainer_bytes: bytes,
-        state: dict,
+        state: dict[str, Any],
         *,
         background: bool = False,
     ) -> TrainingFiles:
@@ -489,7 +783,7 @@ class Checkpointer:
     # -- loading --------------------------------------------------------------------------------
     def load(
         self,
-        dir: str | os.PathLike,
+        dir: str | os.PathLike[str],
         train_module: TrainModule,
         *,
         load_trainer_state: bool | None = None,
@@ -525,6 +819,7 @@ class Checkpointer:
             pre_download=self.pre_download,
             thread_count=self.load_thread_count or _default_threads(),
             max_trainer_state_bytes=self.max_trainer_state_bytes,
+            cuda=self._stager.cuda,
         )
         state = load_checkpoint(
             req,
@@ -538,24 +833,35 @@ class Checkpointer:
         self._loaded = None if step is None else (storage, storage.parent(path), step)
         return state
 
-    def _abandon_after_rollback(self, storage: Storage, dir: str) -> None:
-        """Before the first save after a load: when the save goes into the folder the loaded
-        checkpoint came from, the run resumed there, and that folder's checkpoints newer than
-        the loaded one are abandoned (docs/design.md §11, `folder.abandon_newer`), so no finder
-        reports them again and this run's saves of those steps replace them. (OLMo-core's
-        Trainer loads and saves through this class; `CheckpointManager` abandons them already
-        at resume.) Called on: all ranks."""
+    def resume_into(self, save_folder: str | os.PathLike[str]) -> list[int]:
+        """Say that the run trains on from the checkpoint loaded last and saves into
+        `save_folder`. When that checkpoint is a step of `save_folder` and newer ones are
+        committed there, they are abandoned now (docs/rollback.md) instead of at the first
+        save, so a crash before that save cannot resume from them. A load for evaluation must
+        not call this; loading another folder's checkpoint abandons nothing. Returns the
+        abandoned steps. Called on: all ranks."""
+        storage, folder = resolve(save_folder, self._storage_options)
+        return self._abandon_after_rollback(storage, folder)
+
+    def _abandon_after_rollback(self, storage: Storage, folder: str) -> list[int]:
+        """At `resume_into`, or else before the first save after a load: when the run saves
+        into the folder the loaded checkpoint came from, it resumed there, and that folder's
+        checkpoints newer than the loaded one are abandoned (docs/design.md §11,
+        `folder.abandon_newer`), so no finder reports them again and this run's saves of those
+        steps replace them. (OLMo-core's Trainer loads and saves through this class;
+        `CheckpointManager` abandons them already at resume.) Called on: all ranks."""
         loaded, self._loaded = self._loaded, None
-        if loaded is None or type(loaded[0]) is not type(storage):
-            return
-        _, folder, step = loaded
-        if storage.parent(dir) != folder:
-            return
-        dist.run_on_rank0(
-            lambda: save_folder.abandon_newer(storage, folder, step),
+        if loaded is None or type(loaded[0]) is not type(storage) or folder != loaded[1]:
+            return []
+        step = loaded[2]
+        abandoned = dist.run_on_rank0(
+            lambda: save_folder.abandon_newer(
+                storage, folder, step, refuse=self.on_rollback == "refuse"
+            ),
             f"abandoning the checkpoints newer than step {step} in '{folder}'",
             self.process_group,
         )
+        return [s for s, _ in abandoned]
 
     # -- the node-local tier (docs/design.md §9, docs/local-tier.md) ----------------------------
     def save_local(
@@ -580,7 +886,9 @@ class Checkpointer:
         self._finish_pending()
         start = time.perf_counter()
         where = str(tier.root / f"step{step}")
-        trainer_bytes, state = self._prepare(where, train_module, train_state, stage=True)
+        trainer, state = self._prepare(where, train_module, train_state, stage=True)
+        assert isinstance(trainer, bytes)  # staged, then serialized
+        trainer_bytes = trainer
         log.info(
             "staged local checkpoint step %d in %.2fs; writing and replicating in the background",
             step,
@@ -664,13 +972,13 @@ class Checkpointer:
         return layout.checkpoint_dirname(step)
 
     @classmethod
-    def dir_is_checkpoint(cls, dir: str | os.PathLike) -> bool:
+    def dir_is_checkpoint(cls, dir: str | os.PathLike[str]) -> bool:
         """True for a committed checkpoint or a bare DCP folder (model weights only)."""
         return save_folder.is_checkpoint(*resolve(dir))
 
     @classmethod
     def find_checkpoints(
-        cls, dir: str | os.PathLike, ephemeral: bool | None = None
+        cls, dir: str | os.PathLike[str], ephemeral: bool | None = None
     ) -> Iterator[tuple[int, str]]:
         """Committed checkpoints directly under `dir`, as (step, path), ascending by step.
 
@@ -681,12 +989,12 @@ class Checkpointer:
         yield from save_folder.find_checkpoints(*resolve(dir), ephemeral)
 
     @classmethod
-    def contains_checkpoint(cls, dir: str | os.PathLike) -> bool:
+    def contains_checkpoint(cls, dir: str | os.PathLike[str]) -> bool:
         """True when `dir` is a checkpoint or holds at least one."""
         return save_folder.contains_checkpoint(*resolve(dir))
 
     @classmethod
-    def latest_checkpoint(cls, dir: str | os.PathLike) -> str:
+    def latest_checkpoint(cls, dir: str | os.PathLike[str]) -> str:
         """Path of the committed checkpoint with the highest step under `dir`.
 
         Probes step folders from the newest down and stops at the first committed one.
@@ -695,7 +1003,7 @@ class Checkpointer:
         return save_folder.latest_checkpoint(*resolve(dir))
 
     @classmethod
-    def delete(cls, dir: str | os.PathLike) -> None:
+    def delete(cls, dir: str | os.PathLike[str]) -> None:
         """Delete a checkpoint folder (committed or not, or a `-tmp` working folder): the
         commit record first, so a crash midway leaves an uncommitted folder that no finder
         reports, never a torn checkpoint. A missing folder is ignored; a symbolic link loses
@@ -705,7 +1013,7 @@ class Checkpointer:
 
     @classmethod
     def verify(
-        cls, dir: str | os.PathLike, *, deep: bool = False, progress: Progress | None = None
+        cls, dir: str | os.PathLike[str], *, deep: bool = False, progress: Progress | None = None
     ) -> VerifyReport:
         """Check a checkpoint's files against its manifest: missing, resized or unexpected
         files and escaping manifest entries; with `deep`, the CRC32C of every byte. `progress`
@@ -714,7 +1022,7 @@ class Checkpointer:
         no folder. Called on: any one process."""
         return verify_checkpoint(*resolve(dir), deep=deep, progress=progress)
 
-    def find_latest_good(self, dir: str | os.PathLike) -> str | None:
+    def find_latest_good(self, dir: str | os.PathLike[str]) -> str | None:
         """The newest committed checkpoint under `dir` that passes verification (sizes, or
         every CRC32C with `verify_on_load="full"`), or None when there is none (or no `dir`).
 
@@ -730,6 +1038,19 @@ class Checkpointer:
         )
 
     @classmethod
-    def read_metadata(cls, dir: str | os.PathLike) -> CheckpointMetadata:
+    def read_metadata(cls, dir: str | os.PathLike[str]) -> CheckpointMetadata:
         """The commit record of a checkpoint."""
         return save_folder.read_metadata(*resolve(dir))
+
+
+_DECLARED = frozenset(f.name for f in dataclasses.fields(Checkpointer))
+
+
+def _unknown_attribute(ckpt: Checkpointer, name: str) -> UnknownSettingError:
+    """The error for an attribute `ckpt` does not have, with the setting meant if one is close."""
+    close = difflib.get_close_matches(name, [*CheckpointerConfig.model_fields, *dir(ckpt)], n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return UnknownSettingError(
+        f"'{type(ckpt).__name__}' object has no attribute '{name}'{hint} (its settings are "
+        "CheckpointerConfig's fields)"
+    )

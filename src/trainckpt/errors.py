@@ -58,6 +58,10 @@ class ConfigurationError(CheckpointError, ValueError):
     """A Checkpointer was set up or called in a way that cannot work."""
 
 
+class UnknownSettingError(ConfigurationError, AttributeError):
+    """A `Checkpointer` attribute that does not exist was read or written (a misspelt setting)."""
+
+
 def settings_error(error: Any, where: str, what: str) -> ConfigurationError:
     """One `ConfigurationError` naming every field a pydantic `ValidationError` complains of."""
     problems = "; ".join(

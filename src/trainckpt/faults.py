@@ -38,7 +38,11 @@ LOCAL_POINTS = (  # the node-local tier (core/local_tier.py)
 deleted; `local-restore-checked`: in restores)."""
 
 REPLACE_POINTS = (  # only saves that replace an old folder of their step (core/commit.py)
-    "replacing",  # rank 0, the old folder moved aside to `<dir>-replaced`, `-tmp` not renamed
+    "replacing",  # rank 0, the old folder moved aside to `<dir>-replaced`, the new not in place
+    # (filesystems: `-tmp` not renamed; object stores: the old objects copied aside and
+    # deleted from `<dir>`, nothing of the new uploaded)
+    "copying-aside",  # object stores: old files copied to `<dir>-replaced`, its marker not
+    "replaced",  # object stores: the new checkpoint committed, `<dir>-replaced` not deleted
 )
 """Points of a save over an old folder of its step (overwritten, abandoned by a rollback)."""
 

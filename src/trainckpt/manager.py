@@ -71,7 +71,7 @@ class CheckpointManager:
         self,
         checkpointer: Checkpointer,
         policy: CheckpointPolicy,
-        save_folder: str | os.PathLike,
+        save_folder: str | os.PathLike[str],
         *,
         naming: layout.Naming = "trainckpt",
     ) -> None:
@@ -161,7 +161,11 @@ class CheckpointManager:
         self._started = True
         since = -1 if step is None else step
         abandoned = dist.run_on_rank0(
-            lambda: abandon_newer(*resolve(self.save_folder), since),
+            lambda: abandon_newer(
+                *resolve(self.save_folder),
+                since,
+                refuse=self.checkpointer.on_rollback == "refuse",
+            ),
             f"abandoning the checkpoints newer than step {since} in '{self.save_folder}'",
             self._group,
         )

@@ -17,8 +17,7 @@ from typing import Any
 
 from olmo_core.train.checkpoint import CheckpointerConfig as _OLMoCheckpointerConfig
 
-from trainckpt.checkpointer import Checkpointer
-from trainckpt.config import CheckpointerConfig
+from trainckpt.checkpointer import Checkpointer, CheckpointerConfig
 from trainckpt.core import dist
 
 

@@ -66,9 +66,13 @@ def test_olmo_core_trainer_loading_an_older_step_rolls_back(tmp_path: Path) -> N
     uninterrupted = olmo_trainer.train(tmp_path, folder, olmo_trainer.Run())
     assert max(_steps(folder)) == olmo_trainer.STEPS
 
-    # Load step 5 explicitly (a rollback), train to the hard stop at step 7.
-    trainer = olmo_trainer.build_trainer(tmp_path, folder, olmo_trainer.Run(stop=7))
+    # Load step 5 explicitly (a rollback), train to the hard stop at step 7. With
+    # RollbackOnLoadCallback the newer steps are abandoned at the load: a crash before the
+    # first save would resume from step 5, never from the abandoned step 10.
+    run = olmo_trainer.Run(stop=7, rollback_on_load=True)
+    trainer = olmo_trainer.build_trainer(tmp_path, folder, run)
     trainer.load_checkpoint(str(folder / "step5"))
+    assert Checkpointer.latest_checkpoint(folder) == str(folder / "step5")
     trainer.fit()
     assert max(_steps(folder)) == 7  # steps 8 and 10 of the first run are never found again
     assert Checkpointer.latest_checkpoint(folder) == str(folder / "step7")

@@ -159,15 +159,18 @@ def rollback_run(
     fault: str | None = None,
     fault_step: int | None = None,
     ready: Event | None = None,
+    env: dict[str, str] | None = None,
 ) -> None:
     """Roll back: load `folder/step{resume_step}` (of a run that went further), tell a
     `CheckpointManager` so (`start_from`), then train and save every step up to `last_step`,
     each trainer state marked `"trajectory": "new"`. With `fault`, that fault point kills this
-    process during the save of `fault_step`."""
+    process during the save of `fault_step`. `folder` may be a URL (`env` points the client
+    at its server, as in `run`)."""
     from trainckpt import CheckpointManager, CheckpointPolicy
 
+    os.environ.update(env or {})
     torch.set_num_threads(1)
-    ckpt = CheckpointerConfig(work_dir=work_dir, fs_timeout=20).build()
+    ckpt = CheckpointerConfig(work_dir=work_dir, fs_timeout=20, claim_lease=CLAIM_LEASE).build()
     policy = CheckpointPolicy(save_interval=1, remove="all_non_permanent")
     driver = CheckpointManager(ckpt, policy, folder)
     module = new_module()

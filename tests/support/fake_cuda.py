@@ -87,6 +87,16 @@ class RecordingCuda(CudaCalls):
     def in_use(self) -> bool:
         return True
 
+    def available(self) -> bool:
+        return True
+
+    def to_device(self, t: torch.Tensor, device: int) -> torch.Tensor:
+        """A copy of `t` claimed to live on `device`."""
+        self._record("to_device", device)
+        moved = t.clone()
+        self.claim(moved, device)
+        return moved
+
     def device_of(self, t: torch.Tensor) -> int | None:
         return self._on.get(t.untyped_storage().data_ptr())
 

@@ -119,6 +119,7 @@ class Run:
     ddp: bool = False
     kill_at: int | None = None  # SIGKILL during the save at this step
     kill_point: str = "writing-shards"
+    rollback_on_load: bool = False  # with trainckpt's RollbackOnLoadCallback
 
 
 def build_trainer(root: Path, save_folder: Path, run: Run) -> Trainer:
@@ -160,6 +161,10 @@ def build_trainer(root: Path, save_folder: Path, run: Run) -> Trainer:
     }
     if run.kill_at is not None:
         callbacks["kill"] = KillDuringSave(run.kill_at, run.kill_point)
+    if run.rollback_on_load:
+        from trainckpt.integrations.olmo_rollback import RollbackOnLoadCallback
+
+        callbacks["rollback"] = RollbackOnLoadCallback()
     checkpointer = OLMoConfig() if run.checkpointer == "olmo" else OLMoCheckpointerConfig()
     config = TrainerConfig(
         save_folder=str(save_folder),

@@ -5,6 +5,7 @@ google_crc32c."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 from pathlib import Path
 
@@ -25,6 +26,21 @@ def test_the_native_crc32c_is_found_and_agrees_with_google_crc32c() -> None:
         data = os.urandom(n)
         for view in (memoryview(data), memoryview(bytearray(data))):  # read-only and writable
             assert cf.crc32c_extend(0x1234, view) == google_crc32c.extend(0x1234, data), n
+
+
+def test_the_private_crc32c_symbol_is_there_and_called_without_the_interpreter_lock() -> None:
+    """The path leans on a private symbol of google-crc32c (pinned in pyproject.toml): when a
+    new version drops it, this fails, instead of every large write silently copying."""
+    import ctypes
+
+    assert google_crc32c.implementation == "c", "google-crc32c without its C extension"
+    assert cf._EXTEND is not None, (
+        f"google-crc32c {importlib.metadata.version('google-crc32c')} no longer exports "
+        "crc32c_extend from google_crc32c._crc32c: adapt storage/checksummed_file.py or keep "
+        "the pin in pyproject.toml"
+    )
+    # A CDLL function (not PYTHONAPI, as PyDLL's are) releases the lock for the call.
+    assert not cf._EXTEND._flags_ & ctypes._FUNCFLAG_PYTHONAPI  # type: ignore[attr-defined]
 
 
 def test_written_crc32c_matches_the_file_for_every_split(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ buffers (or lets them be written) before that reads nothing."""
 from __future__ import annotations
 
 import copy
+import io
 import logging
 import threading
 from collections.abc import Iterator
@@ -22,9 +23,17 @@ from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from trainckpt import Checkpointer, ConfigurationError, ModelAndOptim
+from trainckpt.core.cuda_calls import CudaCalls
 from trainckpt.core.dcp import save_state
 from trainckpt.core.shared_memory import ALIGN, locate
 from trainckpt.core.staging import Stager
+from trainckpt.errors import CorruptCheckpointError
+from trainckpt.format.trainer_state import (
+    FORMAT_KEY,
+    deserialize_trainer_state,
+    map_tensors,
+    serialize_trainer_state,
+)
 
 
 @pytest.fixture
@@ -235,3 +244,101 @@ def test_a_staged_dtensor_is_written_and_read_back_by_dcp(tmp_path: Path) -> Non
     out = {"w": distribute_tensor(torch.zeros(6, 5), mesh, [Shard(0)])}
     dcp.load(out, checkpoint_id=str(tmp_path / "dcp"))
     assert torch.equal(out["w"].to_local(), original.to_local())
+
+
+def _record_saves(monkeypatch: pytest.MonkeyPatch, fake: RecordingCuda) -> list[tuple[int, set]]:
+    """Every `torch.save` call from now on, as (thread, devices of the tensors it writes)."""
+    saves: list[tuple[int, set]] = []
+    real_save = torch.save
+
+    def recording_save(obj: object, *args: object, **kwargs: object) -> None:
+        devices: set = set()
+        map_tensors(obj, lambda _, t: devices.add(fake.device_of(t)))
+        saves.append((threading.get_ident(), devices))
+        real_save(obj, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch, "save", recording_save)
+    return saves
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_gpu_trainer_state_is_staged_after_the_mark_and_comes_back_on_the_ranks_device(
+    ckpt: Checkpointer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overlap: bool
+) -> None:
+    """A trainer state with a tensor on GPU 3 (rank 3's device): copied with the module's
+    state on the side stream after the mark, never `torch.save`d from the GPU, its structure
+    as of the call; the file records cuda:3, and a load on a rank whose device is 1 puts it
+    on GPU 1 (as map_location would), the CPU values staying on the CPU."""
+    fake = RecordingCuda(current_device=3)
+    ckpt._stager.cuda = fake
+    module = make_module(width=8)
+    _claim_module(fake, module, 3)
+    scale = torch.tensor([2.0, 3.0])
+    fake.claim(scale, 3)
+    rng = torch.get_rng_state()
+    train_state = {"step": 1, "amp": {"scale": scale}, "rng": [rng]}
+    saves = _record_saves(monkeypatch, fake)
+
+    future = ckpt.save_async(tmp_path / "step1", module, train_state, overlap_staging=overlap)
+    train_state["step"] = 2  # the trainer's next step: the call took its values
+    ckpt.wait_for_staging()
+    scale.mul_(10)  # the next optimizer step, after wait_for_staging
+    path = future.result()
+
+    assert all(None in devices and len(devices) == 1 for _, devices in saves if devices), saves
+    mark = fake.named("mark")[0]
+    assert mark.args[0] == 3 and fake.calls.index(mark) == 0
+    names = [c.name for c in fake.calls]
+    n_module = len(module.model.state_dict()) + 2 * len(list(module.model.parameters()))
+    assert names.count("copy") == n_module + 1  # the trainer state's tensor too
+    assert names.index("wait") < names.index("copy")
+    raw = torch.load(tmp_path / "step1" / "train" / "rank0.pt", weights_only=True)
+    assert raw[FORMAT_KEY] == 2 and raw["devices"] == [(("amp", "scale"), 3)]
+
+    loader = RecordingCuda(current_device=1)
+    ckpt._stager.cuda = loader
+    loaded = ckpt.load(path, fresh_module(width=8))
+    assert loaded is not None and loaded["step"] == 1
+    assert torch.equal(loaded["amp"]["scale"], torch.tensor([2.0, 3.0]))
+    assert loader.device_of(loaded["amp"]["scale"]) == 1
+    assert torch.equal(loaded["rng"][0], rng) and loader.device_of(loaded["rng"][0]) is None
+    assert loader.named("to_device") == [Call("to_device", 1, threading.get_ident(), (1,))]
+
+
+def test_gpu_trainer_state_loads_on_the_cpu_without_cuda(
+    ckpt: Checkpointer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Loaded where CUDA is not available (this machine, the real `CudaCalls`), a tensor saved
+    from a GPU stays on the CPU, with a warning naming its device."""
+    fake = RecordingCuda(current_device=3)
+    ckpt._stager.cuda = fake
+    scale = torch.tensor([4.0])
+    fake.claim(scale, 3)
+    path = ckpt.save_async(tmp_path / "step1", make_module(width=8), {"scale": scale}).result()
+    ckpt._stager.cuda = CudaCalls()
+    with caplog.at_level(logging.WARNING, logger="trainckpt"):
+        loaded = ckpt.load(path, fresh_module(width=8))
+    assert loaded is not None and torch.equal(loaded["scale"], torch.tensor([4.0]))
+    assert loaded["scale"].device.type == "cpu"
+    assert any("cuda:3 stays on the CPU" in r.getMessage() for r in caplog.records)
+
+
+def test_trainer_state_formats_1_and_2_load_and_others_are_refused() -> None:
+    """Format 1 (a plain dict: what earlier saves and OLMo-core write) loads as it is; a
+    format-2 file whose device list names no tensor, or a later format, is refused."""
+    plain = {"step": 7, "trainckpt": 1, "t": torch.ones(2)}
+    assert serialize_trainer_state(plain, "w") == _saved(plain)  # no GPU tensor: format 1
+    loaded = deserialize_trainer_state(_saved(plain), "w", lambda t, d: pytest.fail("moved"))
+    assert loaded["step"] == 7 and torch.equal(loaded["t"], plain["t"])
+    bad = {FORMAT_KEY: 2, "state": {"step": 1}, "devices": [(("step",), 0)]}
+    with pytest.raises(CorruptCheckpointError, match=r"'w'.*\('step',\).*does not hold"):
+        deserialize_trainer_state(_saved(bad), "w")
+    newer = {FORMAT_KEY: 3, "state": {}, "devices": []}
+    with pytest.raises(CorruptCheckpointError, match="format 3.*reads formats 1 and 2"):
+        deserialize_trainer_state(_saved(newer), "w")
+
+
+def _saved(obj: object) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()

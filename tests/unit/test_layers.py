@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("format",),
     ("core",),
     ("retention",),
-    ("checkpointer", "config", "manager", "checkpointing", "train_module", "model_states", "olmo"),
+    ("checkpointer", "manager", "checkpointing", "train_module", "model_states", "olmo"),
     ("cli", "integrations", "__main__"),
     ("",),  # the package root
 ]
@@ -82,3 +82,35 @@ def test_every_module_has_a_layer() -> None:
     for path in SOURCES:
         layer_of(module_name(path))
     assert len(SOURCES) > 40  # the scan found the package
+
+
+def test_no_import_circle() -> None:
+    """No two modules import each other, directly or around a circle (imports inside
+    functions and under TYPE_CHECKING count too)."""
+    names = {module_name(p) for p in SOURCES}
+
+    def owner(target: str) -> str:
+        while target and target not in names:  # `format.layout.X` is module `format.layout`
+            target = target.rpartition(".")[0]
+        return target
+
+    graph = {
+        module_name(p): {owner(t) for _, t in imported_modules(p)} - {"", module_name(p)}
+        for p in SOURCES
+    }
+    circles: list[list[str]] = []
+    done: set[str] = set()
+
+    def visit(module: str, trail: list[str]) -> None:
+        if module in trail:
+            circles.append(trail[trail.index(module) :] + [module])
+            return
+        if module in done:
+            return
+        for target in sorted(graph.get(module, ())):
+            visit(target, [*trail, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+    assert not circles, "import circles:\n" + "\n".join(" -> ".join(c) for c in circles)

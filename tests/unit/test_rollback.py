@@ -146,6 +146,49 @@ def test_plain_checkpointer_abandons_at_the_first_save_after_loading_an_older_st
     assert _trajectory(ckpt, f"{folder}/step4") == "new"
 
 
+def test_resume_into_abandons_at_load_time_and_only_in_the_folder_loaded_from(
+    ckpt: Checkpointer, tmp_path: Path
+) -> None:
+    """`Checkpointer.resume_into` closes the window between a load and the first save; a
+    load for evaluation (no `resume_into`, no save) abandons nothing."""
+    folder, other = str(tmp_path / "ckpts"), str(tmp_path / "other")
+    _first_run(ckpt, folder, 6, CheckpointPolicy(save_interval=2))
+    _first_run(ckpt, other, 4, CheckpointPolicy(save_interval=2))
+    module = make_module(steps=1)
+    ckpt.load(f"{folder}/step2", module)  # evaluation: nothing happens
+    assert Checkpointer.latest_checkpoint(folder) == f"{folder}/step6"
+    ckpt.load(f"{other}/step2", module)
+    assert ckpt.resume_into(folder) == []  # another folder's checkpoint: no rollback
+    assert _steps(other) == [0, 2, 4] and _steps(folder) == [0, 2, 4, 6]
+
+    ckpt.load(f"{folder}/step2", module)
+    assert ckpt.resume_into(folder) == [4, 6]
+    assert Checkpointer.latest_checkpoint(folder) == f"{folder}/step2"  # before any save
+    assert ckpt.resume_into(folder) == []  # once per load
+
+
+def test_on_rollback_refuse_names_the_newer_steps_and_changes_nothing(tmp_path: Path) -> None:
+    from trainckpt import CheckpointerConfig
+    from trainckpt.errors import ConfigurationError
+
+    folder = str(tmp_path / "ckpts")
+    ckpt = CheckpointerConfig(work_dir=tmp_path / "work", on_rollback="refuse").build()
+    try:
+        _first_run(ckpt, folder, 6, CheckpointPolicy(save_interval=2))
+        module = make_module(steps=1)
+        driver = CheckpointManager(ckpt, CheckpointPolicy(save_interval=2), folder)
+        with pytest.raises(ConfigurationError, match=r"\[4, 6\].*on_rollback='replace'"):
+            driver.start_from(2)
+        ckpt.load(f"{folder}/step4", module)
+        with pytest.raises(ConfigurationError, match=r"step 4.*\[6\]"):
+            ckpt.resume_into(folder)
+        assert _steps(folder) == [0, 2, 4, 6]
+        assert not list((tmp_path / "ckpts").glob(f"*/{ABANDONED_FILE}"))
+        assert driver.start_from(6) == []  # resuming from the newest is no rollback
+    finally:
+        ckpt.close()
+
+
 def test_rollback_on_an_object_store(tmp_path: Path, gcs_bucket: str) -> None:
     from trainckpt import CheckpointerConfig
 
@@ -165,3 +208,56 @@ def test_rollback_on_an_object_store(tmp_path: Path, gcs_bucket: str) -> None:
         assert _trajectory(ckpt, f"{folder}/step4") == "new"
     finally:
         ckpt.close()
+
+
+def test_object_store_copy_aside_outlives_a_failed_replacement_and_prune_clears_it(
+    tmp_path: Path, s3_bucket: str
+) -> None:
+    """A save that fails once the abandoned step is copied aside leaves `step4-replaced/`
+    whole: no finder reports it, `ls` shows it as a working folder, a deletion waits while a
+    save holds the step's claim, and prune removes it afterwards."""
+    from trainckpt import CheckpointerConfig
+    from trainckpt.core import claim as claims
+    from trainckpt.core.commit import delete_leftover
+    from trainckpt.faults import on_fault_point
+    from trainckpt.format.folder import scan_folder
+    from trainckpt.retention.prune import apply_prune, plan_prune
+    from trainckpt.storage import resolve
+
+    folder = f"{s3_bucket}/rollback"
+    ckpt = CheckpointerConfig(work_dir=tmp_path / "work", claim_lease=1.0).build()
+    try:
+        _first_run(ckpt, folder, 4, CheckpointPolicy(save_interval=2))
+        module = make_module(steps=1)
+        driver = CheckpointManager(ckpt, CheckpointPolicy(save_interval=2), folder)
+        assert driver.start_from(2) == [4]
+
+        def fail() -> None:
+            raise RuntimeError("interrupted after the copy aside")
+
+        with on_fault_point("replacing", fail), pytest.raises(RuntimeError, match="copy aside"):
+            driver.save(4, module, {"step": 4, "trajectory": "new"})
+        driver.finish()
+    finally:
+        ckpt.close()
+    storage, root = resolve(folder)
+    aside = f"{root}/step4-replaced"
+    assert ABANDONED_FILE in storage.list_files(aside)
+    assert _steps(folder) == [0, 2]
+    entry = next(e for e in scan_folder(storage, root) if e.name == "step4-replaced")
+    assert entry.state == "tmp" and "set aside" in entry.note
+
+    # A save of step 4 holds its claim: the deletion of the copy aside leaves it alone.
+    live = claims.acquire(storage, f"{root}/step4", lease=1.0)
+    live.start_renewing()
+    try:
+        assert not delete_leftover(storage, aside)
+    finally:
+        live.release()
+    assert ABANDONED_FILE in storage.list_files(aside)
+
+    plan = plan_prune(root, scan_folder(storage, root), keep_last=2, keep_ephemeral=False)
+    assert aside in [e.path for e in plan.to_delete]
+    apply_prune(plan, on_deleted=lambda e: None)
+    assert storage.list_files(aside) == {}
+    assert _steps(folder) == [0, 2]

@@ -35,7 +35,7 @@ import uuid
 from typing import Any
 
 from trainckpt.errors import CheckpointError, ConcurrentSaveError
-from trainckpt.format.layout import CLAIM_FILE, METADATA_FILE
+from trainckpt.format.layout import ABANDONED_FILE, CLAIM_FILE, METADATA_FILE, target_name
 from trainckpt.storage import Storage, Versioned
 
 log = logging.getLogger(__name__)
@@ -183,13 +183,17 @@ def acquire(storage: Storage, dir: str, lease: float, purpose: str = "save") -> 
 
 
 def delete_uncommitted(storage: Storage, dir: str, lease: float = DEFAULT_LEASE) -> bool:
-    """Delete the uncommitted step prefix `dir` unless a live save owns it (or it was
-    committed meanwhile); return whether it was deleted. The claim goes last.
+    """Delete the uncommitted step prefix `dir` (or the `<step>-replaced` copy a crashed save
+    left) unless a live save owns its step (or it was committed meanwhile); return whether it
+    was deleted. The claim is taken on the step itself, which a save of the step holds while
+    it copies its old folder aside; `.abandoned.json` (an aside copy's completion marker) goes
+    first, the claim last.
 
     Called on: the one process deleting (prune, retention).
     """
+    step = storage.join(storage.parent(dir), target_name(storage.name(dir)))
     try:
-        claim = acquire(storage, dir, lease, purpose="deletion")
+        claim = acquire(storage, step, lease, purpose="deletion")
     except ConcurrentSaveError as e:
         log.info("leaving '%s' alone: %s", dir, e)
         return False
@@ -199,7 +203,11 @@ def delete_uncommitted(storage: Storage, dir: str, lease: float = DEFAULT_LEASE)
         if METADATA_FILE in files:
             log.info("leaving '%s' alone: it was committed meanwhile", dir)
             return False
-        storage.delete_files(storage.join(dir, rel) for rel in files if rel != CLAIM_FILE)
+        if ABANDONED_FILE in files:
+            storage.delete_files([storage.join(dir, ABANDONED_FILE)])
+        storage.delete_files(
+            storage.join(dir, rel) for rel in files if rel not in (CLAIM_FILE, ABANDONED_FILE)
+        )
         return True
     finally:
         claim.release()

@@ -315,9 +315,9 @@ def _save_to_object_store(req: SaveRequest, files: RankFiles) -> str:
     # 1. Prepare (rank 0): refuse a committed target; claim the step (`claim.py`), so that no
     #    other save writes into this prefix; then clear what a crashed save left there, or,
     #    with save_overwrite, the old checkpoint, commit record first.
-    held: list[Claim] = []
+    held: list[tuple[Claim, bool]] = []
     dist.run_on_rank0(lambda: held.append(_prepare_prefix(req)), f"preparing '{dir}'", group)
-    claim = held[0] if held else None
+    claim, replacing = held[0] if held else (None, False)
     try:
         entries = _write_and_upload(req, files)
         # 4. After every upload completed: rank 0 uploads the manifest, checks that it holds
@@ -327,6 +327,9 @@ def _save_to_object_store(req: SaveRequest, files: RankFiles) -> str:
         def commit() -> None:
             assert claim is not None
             _write_records(req, dir, parts, attempt=claim.attempt, before_commit=claim.confirm)
+            if replacing:  # the old folder of the step, kept until now (`_move_aside`)
+                fault_point("replaced")
+                _delete_aside(storage, _aside(storage, dir))
             claim.release()
 
         dist.run_on_rank0(commit, f"committing '{dir}'", group)
@@ -424,34 +427,95 @@ class _EarlyUploads:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _prepare_prefix(req: SaveRequest) -> Claim:
-    """Rank 0: refuse a committed target (unless save_overwrite), claim the step, clear the
-    prefix but for the claim, and start renewing the claim. Returns the claim."""
+def _prepare_prefix(req: SaveRequest) -> tuple[Claim, bool]:
+    """Rank 0: refuse a committed target (unless save_overwrite), claim the step, put an old
+    checkpoint of the step aside (`_move_aside`), clear the prefix but for the claim, and start
+    renewing the claim. Returns the claim and whether `<dir>-replaced` holds the old folder
+    (deleted once the new checkpoint is committed)."""
     storage, dir = req.storage, req.dir
     if is_committed(storage, dir) and not req.overwrite:
         raise _exists(dir)
     claim = claims.acquire(storage, dir, req.claim_lease)
     try:
         files = storage.list_files(dir)
-        if METADATA_FILE in files:  # committed, perhaps by a save that held the claim before
-            if not req.overwrite:
-                raise _exists(dir)
-            storage.delete_files([storage.join(dir, METADATA_FILE)])
+        committed = METADATA_FILE in files  # perhaps by a save that held the claim before
+        if committed and not req.overwrite:
+            raise _exists(dir)
+        aside_kept = _settle_aside(storage, dir, committed)
+        if committed:
             log.warning("replacing the committed checkpoint '%s' (save_overwrite)", dir)
         elif ABANDONED_FILE in files:
-            # A step prefix holds one set of files: the abandoned checkpoint, which no finder
-            # reports since the rollback, goes now, before the new one is written.
             log.warning("replacing '%s', abandoned by a rollback to an older step", dir)
-        elif set(files) - {CLAIM_FILE}:
+        elif set(files) - {CLAIM_FILE} and not aside_kept:
             log.warning("removing '%s': an uncommitted leftover of an interrupted save", dir)
+        if (committed or ABANDONED_FILE in files) and not aside_kept:
+            _move_aside(storage, dir, files)
+        first = [METADATA_FILE, ABANDONED_FILE]  # what makes it a checkpoint (or one undone)
+        storage.delete_files(storage.join(dir, rel) for rel in first if rel in files)
         storage.delete_files(
-            storage.join(dir, rel) for rel in files if rel not in (CLAIM_FILE, METADATA_FILE)
+            storage.join(dir, rel) for rel in files if rel not in (CLAIM_FILE, *first)
         )
+        replacing = aside_kept or committed or ABANDONED_FILE in files
+        if replacing:
+            fault_point("replacing")
         claim.start_renewing()
     except BaseException:
         claim.release()
         raise
-    return claim
+    return claim, replacing
+
+
+def _aside(storage: Storage, dir: str) -> str:
+    return storage.join(storage.parent(dir), replaced_name(storage.name(dir)))
+
+
+def _move_aside(storage: Storage, dir: str, files: dict[str, int]) -> None:
+    """Object stores: copy the old checkpoint of step `dir` (committed, being overwritten, or
+    abandoned by a rollback) to `<dir>-replaced`, server-side, before its objects are deleted:
+    the old files then exist whole at every moment until the new checkpoint is committed, as
+    with the rename of `_swap_in`. `.abandoned.json` (holding the old commit record) is written
+    last and marks the copy complete; the copy never holds a commit record, so no finder takes
+    it for a checkpoint. Called on: rank 0, holding the step's claim."""
+    aside = _aside(storage, dir)
+    records = (METADATA_FILE, ABANDONED_FILE, CLAIM_FILE)
+    storage.copy_many(
+        [(storage.join(dir, rel), storage.join(aside, rel)) for rel in files if rel not in records]
+    )
+    fault_point("copying-aside")
+    record = METADATA_FILE if METADATA_FILE in files else ABANDONED_FILE
+    storage.write_bytes(
+        storage.join(aside, ABANDONED_FILE), storage.read_bytes(storage.join(dir, record))
+    )
+
+
+def _settle_aside(storage: Storage, dir: str, committed: bool) -> bool:
+    """Object stores: deal with a `<dir>-replaced` an interrupted replacement left; return
+    whether it is kept. A complete one (marked by `.abandoned.json`) beside an uncommitted
+    `dir` is the only whole copy of the old folder: it stays until this save commits. One
+    beside a committed `dir` (the replacement, or the old folder, is whole there), or an
+    incomplete one (the old folder was still whole in `dir`), is deleted, marker first.
+    Called on: rank 0, holding the step's claim."""
+    aside = _aside(storage, dir)
+    files = storage.list_files(aside)
+    if not files:
+        return False
+    if ABANDONED_FILE in files and not committed:
+        log.warning(
+            "'%s' holds the old folder of '%s', moved aside by an interrupted save; it is "
+            "kept until this save of the step commits",
+            aside,
+            dir,
+        )
+        return True
+    _delete_aside(storage, aside, files)
+    return False
+
+
+def _delete_aside(storage: Storage, aside: str, files: dict[str, int] | None = None) -> None:
+    """Delete `<dir>-replaced` on an object store, its completion marker first."""
+    files = storage.list_files(aside) if files is None else files
+    storage.delete_files([storage.join(aside, ABANDONED_FILE)])
+    storage.delete_files(storage.join(aside, rel) for rel in files if rel != ABANDONED_FILE)
 
 
 def _abandon(storage: Storage, dir: str, claim: Claim) -> None:

@@ -26,6 +26,14 @@ class CudaCalls:
         """CUDA is there and the trainer has used it (staging never initializes CUDA itself)."""
         return torch.cuda.is_available() and torch.cuda.is_initialized()
 
+    def available(self) -> bool:
+        """This process can use CUDA (loading puts trainer-state tensors back on the GPU)."""
+        return torch.cuda.is_available()
+
+    def to_device(self, t: torch.Tensor, device: int) -> torch.Tensor:
+        """A copy of host tensor `t` on `device`, complete when the trainer reads it."""
+        return t.to(torch.device("cuda", device))
+
     def device_of(self, t: torch.Tensor) -> int | None:
         """The CUDA device `t` lives on; None when it is not on a CUDA device."""
         if not t.is_cuda:

@@ -11,12 +11,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from trainckpt.core import dist
+from trainckpt.core.cuda_calls import CudaCalls
 from trainckpt.core.direct import load_direct, loads_directly
+from trainckpt.core.trainer_tensors import on_rank_device
 from trainckpt.errors import CheckpointNotFoundError, ConfigurationError
 from trainckpt.format import folder as save_folder
 from trainckpt.format import layout
@@ -51,6 +53,8 @@ class LoadRequest:
     pre_download: bool
     thread_count: int
     max_trainer_state_bytes: int = DEFAULT_MAX_BYTES
+    cuda: CudaCalls = field(default_factory=CudaCalls)
+    """Puts trainer-state tensors saved from a GPU on the rank's device (`trainer_tensors.py`)."""
 
 
 @dataclass(frozen=True)
@@ -220,7 +224,7 @@ def _load_trainer_state(req: LoadRequest, facts: ManifestFacts, *, required: boo
                 own,
                 rank0,
             )
-        return deserialize_trainer_state(data, candidate)
+        return deserialize_trainer_state(data, candidate, on_rank_device(req.cuda))
     if required:
         raise CheckpointNotFoundError(
             f"no trainer state in '{path}' (looked for '{own}' and '{rank0}'); pass "

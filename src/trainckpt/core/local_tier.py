@@ -46,8 +46,10 @@ import google_crc32c
 import torch
 
 from trainckpt.core import dist
+from trainckpt.core.cuda_calls import CudaCalls
 from trainckpt.core.local_transfer import PhaseClock, Sink, Transfer, exchange
 from trainckpt.core.staging import dtensor_type
+from trainckpt.core.trainer_tensors import on_rank_device
 from trainckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -770,7 +772,7 @@ def _load_part(copy: _PrivateCopy) -> tuple[dict[str, Any], dict[str, Any]]:
     data = copy.files[TRAIN_FILE].read_all()
     train_where = f"'{TRAIN_FILE}' of {copy.source}, as copied and checked"
     _check(data, copy.part.files[TRAIN_FILE], train_where)
-    return state, deserialize_trainer_state(data, train_where)
+    return state, deserialize_trainer_state(data, train_where, on_rank_device(CudaCalls()))
 
 
 def _check(data: bytes, entry: FileEntry, where: str) -> None:

@@ -352,7 +352,9 @@ def _describe(storage: Storage, folder: StepFolder) -> FolderEntry | None:
     state = state_of(folder, committed, records, abandoned)
     assert state is not None
     notes = list(records.problems)
-    if abandoned and not committed:
+    if abandoned and folder.tmp:
+        notes.append("the old folder of the step, set aside by a save that replaces it")
+    elif abandoned and not committed:
         notes.append("abandoned: a run resumed from an older step; its next save replaces it")
     if committed and layout.MANIFEST_FILE not in files:
         notes.append("no manifest (unverifiable)")
@@ -377,10 +379,13 @@ def _describe(storage: Storage, folder: StepFolder) -> FolderEntry | None:
 # -- rolling back (docs/design.md §11) ------------------------------------------------------
 
 
-def abandon_newer(storage: Storage, path: str, step: int) -> list[tuple[int, str]]:
+def abandon_newer(
+    storage: Storage, path: str, step: int, *, refuse: bool = False
+) -> list[tuple[int, str]]:
     """A run resumed from `step`: abandon every checkpoint under `path` of a newer step, so no
     finder reports one again (ours, OLMo-core's, the torchtitan integration's). Returns (step,
-    path) of those abandoned now, ascending; a missing folder holds none.
+    path) of those abandoned now, ascending; a missing folder holds none. With `refuse`
+    (`on_rollback="refuse"`), raise `ConfigurationError` naming them instead, changing nothing.
 
     Each loses its commit record first (one atomic deletion, as a deletion starts), then gets
     `.abandoned.json` holding that record (renaming it back undoes the abandonment); its files
@@ -393,7 +398,7 @@ def abandon_newer(storage: Storage, path: str, step: int) -> list[tuple[int, str
         folders = step_folders(storage, path)
     except FileNotFoundError:
         return []
-    abandoned = []
+    newer = []
     for f in folders:
         if f.step <= step:
             continue
@@ -401,8 +406,18 @@ def abandon_newer(storage: Storage, path: str, step: int) -> list[tuple[int, str
         committed = layout.METADATA_FILE in files
         theirs = not f.ours(committed) and layout.ABANDONED_FILE not in files
         if committed or theirs:
-            _abandon(storage, f.path, committed)
-            abandoned.append((f.step, f.path))
+            newer.append((f, committed))
+    if refuse and newer:
+        raise ConfigurationError(
+            f"'{path}': this run resumed from step {step}, but it holds newer checkpoints "
+            f"(steps {[f.step for f, _ in newer]}) and on_rollback='refuse' keeps them. Resume "
+            "from the newest, move those steps away, or set on_rollback='replace' "
+            "(CheckpointerConfig) to abandon them so that this run's saves replace them"
+        )
+    abandoned = []
+    for f, committed in newer:
+        _abandon(storage, f.path, committed)
+        abandoned.append((f.step, f.path))
     if abandoned:
         log.warning(
             "rolled back: the run resumed from step %s of '%s', so the newer checkpoints of "

@@ -27,10 +27,10 @@ from torchtitan.components.checkpointer.base import (
 )
 
 from trainckpt import manager
-from trainckpt.checkpointer import Checkpointer
-from trainckpt.config import CheckpointerConfig
+from trainckpt.checkpointer import Checkpointer, CheckpointerConfig
 from trainckpt.core import dist
 from trainckpt.errors import CheckpointNotFoundError, ConfigurationError, CorruptCheckpointError
+from trainckpt.format import layout
 from trainckpt.format.torchtitan_layout import (
     dcp_problems,
     rewritten_by_another_writer,
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 AsyncModeName = Literal["disabled", "async", "async_with_pinned_mem"]
 
 
-class TorchtitanCheckpointManager(BaseCheckpointManager):
+class TorchtitanCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  # untyped base
     """torchtitan's checkpoint manager contract, carried out by trainckpt.
 
     What differs from torchtitan's own manager (all on purpose, see docs/torchtitan.md): a
@@ -59,7 +59,7 @@ class TorchtitanCheckpointManager(BaseCheckpointManager):
     """
 
     @dataclass(kw_only=True, slots=True)
-    class Config(BaseCheckpointManager.Config):
+    class Config(BaseCheckpointManager.Config):  # type: ignore[misc]
         async_mode: AsyncModeName = "disabled"
         """`disabled`: blocking saves; `async`: staged in CPU memory, then written and
         committed in the background; `async_with_pinned_mem`: as `async`, and the copy to CPU
@@ -160,7 +160,7 @@ class TorchtitanCheckpointManager(BaseCheckpointManager):
         )
         log.info("trainckpt checkpointing active: loading from and saving to '%s'", self.folder)
 
-    @property  # type: ignore[override]
+    @property
     def save_future(self) -> Future[str] | None:
         """The background save not yet waited for, if any."""
         driver = getattr(self, "driver", None)
@@ -187,7 +187,15 @@ class TorchtitanCheckpointManager(BaseCheckpointManager):
             if self.config.last_save_in_hf:
                 from trainckpt.integrations.torchtitan_hf import save_hf  # imported on first use
 
-                save_hf(self, curr_step)
+                storage, folder = resolve(self.folder)
+                name = layout.checkpoint_dirname(curr_step, self.config.naming)
+                save_hf(
+                    self.checkpointer,
+                    storage.join(folder, name),
+                    self.module.model_state(),
+                    self.sd_adapter,
+                    self.config.export_dtype,
+                )
             else:
                 self.driver.save_final(curr_step, self.module, {})
             return True
@@ -219,15 +227,26 @@ class TorchtitanCheckpointManager(BaseCheckpointManager):
         found_step, path, kind = found
         log.info("loading step %d from '%s'", found_step, path)
         if kind == "hf":
-            from trainckpt.integrations.torchtitan_hf import load_hf  # imported on first use
-
-            load_hf(self, path)
+            self._load_hf(path)
         elif kind == "foreign":  # its files are not those the manifest records (`_find`)
             self._load_unverified(path, self._module_for(found_step))
         else:
             self.checkpointer.load(path, self._module_for(found_step), load_trainer_state=False)
         self.driver.start_from(found_step)  # newer steps are abandoned (docs/rollback.md)
         return True
+
+    def _load_hf(self, path: str) -> None:
+        """Load the Hugging Face safetensors of the local folder `path` into the model."""
+        from trainckpt.integrations.torchtitan_hf import load_hf  # imported on first use
+
+        module = self.module
+        load_hf(
+            path,
+            module.model_state(),
+            module.weights().load_state_dict,
+            self.sd_adapter,
+            self.checkpointer.process_group,
+        )
 
     def _module_for(self, step: int) -> Any:
         """torchtitan's rule: a step-0 (seed) checkpoint restores the model only."""
@@ -331,10 +350,9 @@ class TorchtitanCheckpointManager(BaseCheckpointManager):
                     "checkpoint.initial_load_in_hf needs checkpoint.initial_load_path or the "
                     "model's hf_assets_path"
                 )
-            from trainckpt.integrations.torchtitan_hf import load_hf  # imported on first use
 
             log.info("initial load of Hugging Face weights from '%s'", path)
-            load_hf(self, path)
+            self._load_hf(path)
             return True
         if not path:
             log.info("no checkpoint in '%s' and no initial_load_path: a fresh start", self.folder)

@@ -20,19 +20,18 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from trainckpt.checkpointer import Checkpointer
 from trainckpt.core import dist
 from trainckpt.errors import ConfigurationError, CorruptCheckpointError
 from trainckpt.format import layout
 from trainckpt.format.torchtitan_layout import HF_INDEX_FILE
 from trainckpt.storage import Storage, resolve
-
-if TYPE_CHECKING:
-    from trainckpt.integrations.torchtitan import TorchtitanCheckpointManager
 
 log = logging.getLogger(__name__)
 
@@ -102,26 +101,27 @@ def write_hf_files(
     return [*names, HF_INDEX_FILE]
 
 
-def save_hf(manager: TorchtitanCheckpointManager, step: int) -> str:
-    """The final save in Hugging Face safetensors into the step folder; returns its path.
-    Called on: all ranks."""
+def save_hf(
+    checkpointer: Checkpointer,
+    path: str,
+    model_state: dict[str, Any],
+    adapter: Any,
+    export_dtype: str,
+) -> str:
+    """Save `model_state` (gathered whole, cast to `export_dtype`, named by torchtitan's
+    state-dict `adapter`) as Hugging Face safetensors into the checkpoint `path`, committed by
+    `checkpointer`; returns its path. Called on: all ranks."""
     start = time.perf_counter()
-    dtype = getattr(torch, manager.config.export_dtype)
-    full = {k: _full(v, dtype) for k, v in manager.module.model_state().items()}
-    adapter = manager.sd_adapter
+    dtype = getattr(torch, export_dtype)
+    full = {k: _full(v, dtype) for k, v in model_state.items()}
     hf_state = adapter.to_hf(full)
     mapping = adapter.fqn_to_index_mapping  # read after to_hf: it drops tied weights from it
-    storage, folder = resolve(manager.folder)
-    path = storage.join(folder, layout.checkpoint_dirname(step, manager.config.naming))
-    manager.checkpointer.wait()  # one save at a time
-    committed = manager.checkpointer.save_files(
+    checkpointer.wait()  # one save at a time
+    committed = checkpointer.save_files(
         path, lambda local: write_hf_files(hf_state, mapping, local)
     )
     log.info(
-        "saved Hugging Face safetensors of step %d to '%s' in %.2fs",
-        step,
-        committed,
-        time.perf_counter() - start,
+        "saved Hugging Face safetensors to '%s' in %.2fs", committed, time.perf_counter() - start
     )
     return committed
 
@@ -150,12 +150,20 @@ def _check_index(folder: Path) -> None:
             raise CorruptCheckpointError(f"'{index}' names '{name}', which is missing")
 
 
-def load_hf(manager: TorchtitanCheckpointManager, path: str) -> None:
-    """Load Hugging Face safetensors from the local folder `path` into the model (model only).
+def load_hf(
+    path: str,
+    model_state: dict[str, Any],
+    load_weights: Callable[[dict[str, Any]], None],
+    adapter: Any,
+    group: dist.ProcessGroup | None,
+) -> None:
+    """Load Hugging Face safetensors from the local folder `path` into the model: read into
+    the `adapter`'s `to_hf` view of its `model_state`, mapped back and handed to
+    `load_weights` (the model's `load_state_dict`: model only), by the ranks of `group`.
     Called on: all ranks."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     storage, local = resolve(path)
     if not storage.atomic_rename:  # not a local path
@@ -164,17 +172,14 @@ def load_hf(manager: TorchtitanCheckpointManager, path: str) -> None:
             "first (torchtitan's own manager has the same limit)"
         )
     folder = Path(local)
-    dist.run_on_rank0(
-        lambda: _check_index(folder), f"checking '{folder}'", manager.checkpointer.process_group
-    )
+    dist.run_on_rank0(lambda: _check_index(folder), f"checking '{folder}'", group)
     start = time.perf_counter()
-    adapter = manager.sd_adapter
-    hf_state = adapter.to_hf(manager.module.model_state())
+    hf_state = adapter.to_hf(model_state)
     try:
-        dcp.load(
+        dcp_load(
             hf_state,
             storage_reader=HuggingFaceStorageReader(str(folder), thread_count=4),
-            process_group=manager.checkpointer.process_group,
+            process_group=group,
             no_dist=not dist.is_distributed(),
         )
     except CheckpointException as e:
@@ -183,5 +188,5 @@ def load_hf(manager: TorchtitanCheckpointManager, path: str) -> None:
             f"loading Hugging Face safetensors from '{folder}' failed ({type(first).__name__}: "
             f"{first}); check that it holds this model's weights"
         ) from e
-    manager.module.weights().load_state_dict(adapter.from_hf(hf_state))
+    load_weights(adapter.from_hf(hf_state))
     log.info("loaded Hugging Face safetensors '%s' in %.2fs", folder, time.perf_counter() - start)

@@ -156,6 +156,12 @@ class Storage(ABC):
         filesystem (a byte copy where links are refused), a server-side copy on object stores.
         Checkpoint files are never changed after they are written, so a link is a copy."""
 
+    def copy_many(self, pairs: list[tuple[str, str]]) -> None:
+        """`copy_file` of several (src, dst) pairs (in parallel where the back end can); the
+        first error raises."""
+        for src, dst in pairs:
+            self.copy_file(src, dst)
+
     def upload_many(self, pairs: list[tuple[Path, str]], *, overwrite: bool = True) -> None:
         """Upload several files (in parallel where the back end can); the first error raises."""
         for local, location in pairs:

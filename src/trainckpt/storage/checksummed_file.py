@@ -55,7 +55,11 @@ def _native_extend() -> Callable[[int, int, int], int] | None:
     """`crc32c_extend(crc, address, size)` of the crc32c library that google_crc32c's C
     extension links, called through ctypes: it reads the bytes in place, and ctypes releases
     the interpreter lock for the call. (google_crc32c's own `extend` wants `bytes`, which means
-    a copy made while holding the lock.) None when only its pure-Python version is installed."""
+    a copy made while holding the lock.) None when only its pure-Python version is installed.
+
+    Private: google-crc32c offers no public call that reads a buffer in place without the lock,
+    so pyproject.toml pins the versions whose extension exports this symbol, and
+    tests/unit/test_checksummed_file.py fails loudly if it disappears (docs/storage.md)."""
     try:
         from google_crc32c import _crc32c  # type: ignore[attr-defined]
 

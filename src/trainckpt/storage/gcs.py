@@ -1,11 +1,11 @@
 """Google Cloud Storage (`gs://bucket/prefix`) through `google-cloud-storage`.
 
-Every request retries 408/429/5xx and connection errors with exponential backoff, for at most
-`StorageOptions.retry_deadline` seconds. Uploads send the CRC32C computed locally (real GCS
-refuses a body that does not match it) and compare it with the CRC32C the server reports;
-create-only writes use the precondition `if_generation_match=0`, so two writers cannot both
-succeed. Transfers of several files run on `StorageOptions.thread_count` threads and the first
-failure raises. No exception type of the SDK leaves this module.
+Every request retries 408/429/5xx and connection errors with exponential backoff and jitter, for at
+most `StorageOptions.retry_deadline` seconds: the one policy of `retry.py`, run by the SDK. Uploads
+send the CRC32C computed locally (real GCS refuses a body that does not match it) and compare it
+with the CRC32C the server reports; create-only writes use the precondition `if_generation_match=0`,
+so two writers cannot both succeed. Transfers of several files run on `StorageOptions.thread_count`
+threads and the first failure raises. No exception type of the SDK leaves this module.
 
 Credentials come from the usual Google sources (`GOOGLE_APPLICATION_CREDENTIALS`, `gcloud auth
 application-default login`, the metadata server on GCE); `STORAGE_EMULATOR_HOST` points the
@@ -38,6 +38,7 @@ from trainckpt.storage.checksums import (
     crc32c_to_gcs,
 )
 from trainckpt.storage.remote import RemoteStorage
+from trainckpt.storage.retry import RetryPolicy
 
 if TYPE_CHECKING:
     from google.cloud.storage import Blob, Bucket, Client
@@ -55,9 +56,7 @@ class GCSStorage(RemoteStorage):
 
     def __init__(self, options: StorageOptions) -> None:
         super().__init__(options)
-        self.retry = DEFAULT_RETRY.with_delay(initial=0.25, maximum=30.0).with_timeout(
-            options.retry_deadline
-        )
+        self.retry = RetryPolicy.of(options).sdk_retry(DEFAULT_RETRY)
         self.timeout = (min(30.0, options.retry_deadline), 120.0)
         """(connect, read) seconds of one request; retries go on until the deadline."""
         self._client: Client | None = None

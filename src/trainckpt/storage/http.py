@@ -3,7 +3,7 @@
 Files are read with HEAD (size) and ranged GETs, so DCP fetches only the slices it needs;
 `local_copy` goes through cached-path (keyed by the server's ETag). A web server cannot list a
 folder, so the finders refuse HTTP folders (`supports_listing = False`) and writes are refused.
-Requests retry 408/429/5xx and connection errors with backoff until `retry_deadline`.
+Requests retry 408/429/5xx and connection errors by the one policy of `storage/retry.py`.
 
 Bodies are streamed and read in bounded chunks, never more than the bytes asked for: a server
 that ignores `Range` and answers a 100-byte request with the whole 1 GiB file costs 100 bytes of
@@ -14,7 +14,6 @@ answer open and reads on in it when the next read follows, so reading a file fro
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO, TypeVar, cast
@@ -25,8 +24,8 @@ from trainckpt.errors import CheckpointNotFoundError, ConfigurationError, Storag
 from trainckpt.storage.base import Listing, Storage, StorageOptions
 from trainckpt.storage.ranged import RangeReader
 from trainckpt.storage.remote import RemoteStorage
+from trainckpt.storage.retry import RETRY_STATUS, RetryPolicy
 
-_RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _HEAD_REFUSED = frozenset({403, 405, 501})
 _CHUNK = 1024 * 1024
 """Bytes taken from a response body at a time."""
@@ -38,6 +37,17 @@ _TRANSIENT = (
 """What a request, or the reading of its streamed body, raises when the connection breaks."""
 
 T = TypeVar("T")
+
+
+class _RetryStatus(Exception):
+    """An answer whose status is in `RETRY_STATUS`: the request is tried again."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(f"HTTP {status}")
+
+
+def _is_transient(e: Exception) -> bool:
+    return isinstance(e, (_RetryStatus, *_TRANSIENT))
 
 
 class _Body:
@@ -94,6 +104,7 @@ class HTTPStorage(RemoteStorage):
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
         self.timeout = (min(30.0, options.retry_deadline), 120.0)
+        self.retry = RetryPolicy.of(options)
 
     # -- reading -----------------------------------------------------------------------------
     def list_dir(self, location: str) -> Listing:
@@ -176,39 +187,39 @@ class HTTPStorage(RemoteStorage):
         backoff on 408/429/5xx and connection errors (also while the body is read) until
         `retry_deadline`. 404 raises `CheckpointNotFoundError`, other failures `StorageError`;
         statuses in `passthrough` go to `consume` instead. `consume` closes the response (or
-        hands it on); it is closed for it when a retry follows."""
-        deadline = time.monotonic() + self.options.retry_deadline
-        delay = 0.25
-        while True:
-            response: requests.Response | None = None
+        hands it on); it is closed for it when a retry follows. Retries: `storage/retry.py`."""
+
+        def attempt() -> T:
+            response = self.session.request(
+                method,
+                url,
+                headers=headers,
+                timeout=self.timeout,
+                allow_redirects=True,
+                stream=True,
+            )
             try:
-                response = self.session.request(
-                    method,
-                    url,
-                    headers=headers,
-                    timeout=self.timeout,
-                    allow_redirects=True,
-                    stream=True,
-                )
-                problem = f"HTTP {response.status_code}"
                 if response.status_code in passthrough:
                     return consume(response)
-                if response.status_code not in _RETRY_STATUS:
-                    self._raise_for_status(method, url, response)
-                    return consume(response)
+                if response.status_code in RETRY_STATUS:
+                    raise _RetryStatus(response.status_code)
+                self._raise_for_status(method, url, response)
+                return consume(response)
+            except (_RetryStatus, *_TRANSIENT):
                 response.close()
-            except _TRANSIENT as e:
-                if response is not None:
-                    response.close()
-                problem = f"{type(e).__name__}: {e}"
-            if time.monotonic() + delay > deadline:
-                raise StorageError(
-                    f"{method} '{url}' failed ({problem}) and kept failing for "
-                    f"retry_deadline={self.options.retry_deadline:g}s; check that the server "
-                    "is reachable, or raise retry_deadline"
-                )
-            time.sleep(delay)  # backoff between retries
-            delay = min(delay * 2, 10.0)
+                raise
+
+        def gave_up(last: Exception, attempts: int) -> StorageError:
+            problem = (
+                str(last) if isinstance(last, _RetryStatus) else f"{type(last).__name__}: {last}"
+            )
+            return StorageError(
+                f"{method} '{url}' failed ({problem}) and kept failing for "
+                f"retry_deadline={self.options.retry_deadline:g}s ({attempts} attempts); check "
+                "that the server is reachable, or raise retry_deadline"
+            )
+
+        return self.retry.call(attempt, _is_transient, gave_up, f"{method} '{url}'")
 
     @staticmethod
     def _raise_for_status(method: str, url: str, response: requests.Response) -> None:

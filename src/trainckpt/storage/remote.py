@@ -73,6 +73,9 @@ class RemoteStorage(Storage):
     def local_copy(self, location: str, cache_dir: Path) -> Path:
         return cached_copy(location, cache_dir)
 
+    def copy_many(self, pairs: list[tuple[str, str]]) -> None:
+        self._in_parallel(lambda pair: self.copy_file(*pair), pairs)
+
     def _in_parallel(self, fn: Callable[[Any], None], items: list[Any]) -> None:
         """Run `fn` on every item on `thread_count` threads; the first error raises (and the
         items not yet started are dropped)."""

@@ -8,11 +8,12 @@ path` and `request_checksum_calculation` are set for stores that need them). Wit
 at all, requests go unsigned (public buckets), as cached-path does.
 
 Every request retries throttling (503 SlowDown, 429) and 5xx answers and connection errors with
-exponential backoff, for at most `StorageOptions.retry_deadline` seconds, in one loop of ours
-(botocore's own retries are off, so the deadline is the only bound). Create-only writes send
-`If-None-Match: *`, so two writers cannot both succeed. Large files go up in multipart uploads
-whose parts are sent in parallel; listings follow continuation tokens (S3 pages at 1,000 keys);
-deletes go in `DeleteObjects` batches of 1,000 keys. No exception type of boto3 leaves here.
+exponential backoff and jitter, for at most `StorageOptions.retry_deadline` seconds, by the one
+policy of `retry.py` (botocore's own retries are off, so the deadline is the only bound).
+Create-only writes send `If-None-Match: *`, so two writers cannot both succeed. Large files go up in
+multipart uploads whose parts are sent in parallel; listings follow continuation tokens (S3 pages at
+1,000 keys); deletes go in `DeleteObjects` batches of 1,000 keys. No exception type of boto3 leaves
+here.
 """
 
 from __future__ import annotations

@@ -1,20 +1,16 @@
 """Retries and error translation for the S3 back end (`s3.py`): which boto3 failures are
-transient (throttling, 5xx, dropped connections), the deadline-bounded backoff loop that retries
-them, and the mapping of the rest onto our errors, so no boto3 exception type leaves
+transient (throttling, 5xx, dropped connections), retried by the one policy of `retry.py`,
+and the mapping of the rest onto our errors, so no boto3 exception type leaves
 `trainckpt.storage`. boto3 is imported only inside these functions.
 """
 
 from __future__ import annotations
 
-import logging
-import random
-import time
 from collections.abc import Callable
 from typing import TypeVar
 
 from trainckpt.errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
-
-log = logging.getLogger(__name__)
+from trainckpt.storage.retry import RETRY_STATUS, RetryPolicy
 
 T = TypeVar("T")
 
@@ -31,38 +27,35 @@ _RETRY_CODES = frozenset(
         "ConditionalRequestConflict",  # 409: a concurrent conditional write; S3 says retry
     }
 )
-_RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
 
 
 def call_with_retries(what: str, location: str, fn: Callable[[], T], retry_deadline: float) -> T:
-    """Run one request, retrying transient failures with exponential backoff and jitter for
-    at most `retry_deadline` seconds; raise every other failure as one of our errors.
+    """Run one request, retrying transient failures by the one policy of `storage/retry.py`
+    for at most `retry_deadline` seconds; raise every other failure as one of our errors.
 
     `what` ("reading", "writing", ...) and `location` go into the messages.
     """
-    deadline = time.monotonic() + retry_deadline
-    delay = 0.1
-    attempt = 1
-    while True:
-        try:
-            return fn()
-        except Exception as e:
-            if not is_transient(e):
-                raise translate(e, what, location) from e
-            wait_s = delay * (0.5 + random.random() / 2)
-            if time.monotonic() + wait_s > deadline:
-                raise StorageError(
-                    f"{what} '{location}' failed: the S3 endpoint did not answer "
-                    f"successfully within retry_deadline={retry_deadline:g}s "
-                    f"({attempt} attempts; last: {describe(e)}); check that the bucket "
-                    "is reachable (AWS_ENDPOINT_URL_S3 for S3-compatible stores), or raise "
-                    "retry_deadline"
-                ) from e
-            log.info("%s '%s': %s; retrying in %.2fs", what, location, describe(e), wait_s)
-            time.sleep(wait_s)
-            delay = min(delay * 2, 10.0)
-            attempt += 1
+
+    def gave_up(last: Exception, attempts: int) -> Exception:
+        return _GaveUp(
+            f"{what} '{location}' failed: the S3 endpoint did not answer "
+            f"successfully within retry_deadline={retry_deadline:g}s "
+            f"({attempts} attempts; last: {describe(last)}); check that the bucket "
+            "is reachable (AWS_ENDPOINT_URL_S3 for S3-compatible stores), or raise "
+            "retry_deadline"
+        )
+
+    try:
+        return RetryPolicy(retry_deadline).call(fn, is_transient, gave_up, f"{what} '{location}'")
+    except _GaveUp:
+        raise
+    except Exception as e:
+        raise translate(e, what, location) from e
+
+
+class _GaveUp(StorageError):
+    """Transient failures until the deadline."""
 
 
 class RangeNotSatisfiable(StorageError):
@@ -85,7 +78,7 @@ def is_transient(e: Exception) -> bool:
 
     if isinstance(e, bx.ClientError):
         code, status = _error_code(e)
-        return code in _RETRY_CODES or status in _RETRY_STATUS
+        return code in _RETRY_CODES or status in RETRY_STATUS
     transient: tuple[type[Exception], ...] = (
         bx.ConnectionError,  # connect/read timeouts, refused and closed connections
         bx.HTTPClientError,
