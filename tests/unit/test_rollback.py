@@ -78,7 +78,11 @@ def test_resume_skipping_a_damaged_newest_abandons_it_and_retention_counts_the_n
     _first_run(ckpt, folder, 8, policy)
     assert _steps(folder) == [0, 6, 8]
     shard = next((tmp_path / "ckpts" / "step8" / "model_and_optim").glob("*.distcp"))
-    shard.write_bytes(shard.read_bytes()[:-1])  # truncated: resume skips step 8
+    # Truncated, as a torn write leaves it: a new file (in place would also damage step 6,
+    # which links the same file: incremental saves share unchanged files).
+    data = shard.read_bytes()
+    shard.unlink()
+    shard.write_bytes(data[:-1])  # resume skips step 8
 
     module = make_module(steps=1)
     driver = CheckpointManager(ckpt, policy, folder)
