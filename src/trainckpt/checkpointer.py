@@ -21,7 +21,6 @@ from trainckpt.core.direct import saves_directly
 from trainckpt.core.futures import CallbacksFirstFuture
 from trainckpt.core.gc_pause import paused_gc
 from trainckpt.core.load import LoadRequest, load_checkpoint
-from trainckpt.core.local_tier import LocalTier, load_into
 from trainckpt.core.rank_write import ListedFiles, TrainingFiles
 from trainckpt.core.save_report import SavedPath, SaveReport, TimedFiles
 from trainckpt.core.staging import Stager, StreamMark
@@ -40,6 +39,7 @@ from trainckpt.format.verify import (
     newest_good,
     verify_checkpoint,
 )
+from trainckpt.local.tier import LocalTier, load_into
 from trainckpt.storage import Storage, StorageOptions, resolve
 from trainckpt.storage.local import writing
 from trainckpt.train_module import TrainModule

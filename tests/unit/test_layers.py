@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("storage",),
     ("format",),
     ("core",),
+    ("local",),  # the node-local tier, on top of the commit machinery
     ("retention",),
     ("checkpointer", "config", "manager", "checkpointing", "train_module", "model_states", "olmo"),
     ("cli", "integrations", "__main__"),

@@ -17,7 +17,7 @@
 A part counts only where a commit marker of its own attempt, in the same attempt folder, lists
 its owner: parts of two attempts at one step are never combined, and a crash before the markers
 leaves nothing that counts. Everything here is what one disk holds; deciding what the job can
-restore (the coverage vote) is `core/local_tier.py`'s.
+restore (the coverage vote) is `local/tier.py`'s.
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 replicas go to peers on other nodes, a two-phase commit with no shared place decides what
 counts, and a coverage vote finds the newest step the live ranks can assemble.
 
-Save (all ranks, the checkpointer's CPU group; the layout is `format/local_layout.py`):
+Save (all ranks, the checkpointer's CPU group; the layout is `local/layout.py`):
 1. Rank 0 picks an attempt id. Each rank writes its part (module state, trainer state, then
    `part.json` with sizes and CRC32C), each file and folder fsynced.
-2. Each part is sent in pipelined chunks (`local_transfer.py`) to `replication_factor - 1`
+2. Each part is sent in pipelined chunks (`local/transfer.py`) to `replication_factor - 1`
    holders on other disks, `replication_jump` ranks apart; each holder writes it durably (past
    the page cache where it can) and checks every CRC32C against the owner's `part.json`. The
    ranks agree that every part and replica is durable and intact (phase 1).
@@ -46,7 +46,6 @@ import google_crc32c
 import torch
 
 from trainckpt.core import dist
-from trainckpt.core.local_transfer import PhaseClock, Sink, Transfer, exchange
 from trainckpt.core.staging import dtensor_type
 from trainckpt.errors import (
     CheckpointError,
@@ -54,7 +53,9 @@ from trainckpt.errors import (
     CorruptCheckpointError,
 )
 from trainckpt.faults import fault_point
-from trainckpt.format.local_layout import (
+from trainckpt.format.safe_unpickle import load_torch_plain
+from trainckpt.format.trainer_state import deserialize_trainer_state
+from trainckpt.local.layout import (
     MODULE_FILE,
     PART_FILE,
     PART_FILES,
@@ -72,8 +73,7 @@ from trainckpt.format.local_layout import (
     step_dirs,
     write_local_record,
 )
-from trainckpt.format.safe_unpickle import load_torch_plain
-from trainckpt.format.trainer_state import deserialize_trainer_state
+from trainckpt.local.transfer import PhaseClock, Sink, Transfer, exchange
 from trainckpt.storage.checksummed_file import ChecksummedWriter
 from trainckpt.storage.checksums import FileEntry
 from trainckpt.storage.direct_file import DirectWriter, direct_file
