@@ -39,7 +39,8 @@ from trainckpt.format.verify import (
     newest_good,
     verify_checkpoint,
 )
-from trainckpt.local.tier import LocalTier, load_into
+from trainckpt.local.module_state import load_into
+from trainckpt.local.tier import LocalTier
 from trainckpt.storage import Storage, StorageOptions, resolve
 from trainckpt.storage.local import writing
 from trainckpt.train_module import TrainModule
