@@ -15,14 +15,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from trainckpt.config import CheckpointerConfig
-from trainckpt.core import amend, dist, exit_guard
+from trainckpt.core import dist, exit_guard, file_after_commit
 from trainckpt.core.commit import SaveRequest, delete_checkpoint, save_checkpoint
-from trainckpt.core.direct import saves_directly
 from trainckpt.core.futures import CallbacksFirstFuture
 from trainckpt.core.gc_pause import paused_gc
 from trainckpt.core.load import LoadRequest, load_checkpoint
 from trainckpt.core.rank_write import ListedFiles, TrainingFiles
 from trainckpt.core.save_report import SavedPath, SaveReport, TimedFiles
+from trainckpt.core.self_saving_module import saves_directly
 from trainckpt.core.staging import Stager, StreamMark
 from trainckpt.errors import (
     CheckpointError,
@@ -346,7 +346,9 @@ class Checkpointer:
         write it (one at a time per checkpoint)."""
         storage, folder = resolve(dir, self._storage_options)
         data = contents.encode() if isinstance(contents, str) else contents
-        return amend.write_file(storage, folder, fname, data, overwrite=self.save_overwrite)
+        return file_after_commit.write_file(
+            storage, folder, fname, data, overwrite=self.save_overwrite
+        )
 
     def wait(self) -> str | None:
         """Wait for the in-flight async save, if any; return its path or raise its error."""

@@ -16,9 +16,9 @@ from support.models import assert_same_state, fresh_module, make_module
 
 from trainckpt import Checkpointer, CheckpointerConfig, CheckpointManager, CheckpointPolicy
 from trainckpt.errors import ConfigurationError, CorruptCheckpointError
-from trainckpt.faults import on_fault_point
 from trainckpt.local.layout import scan
 from trainckpt.storage.checksums import crc32c_bytes, crc32c_file
+from trainckpt.testing.faults import on_fault_point
 
 
 def _ckpt(tmp_path: Path, **kw: object) -> Checkpointer:

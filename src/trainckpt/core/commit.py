@@ -38,7 +38,6 @@ from trainckpt.errors import (
     CorruptCheckpointError,
     SharedFolderError,
 )
-from trainckpt.faults import fault_point
 from trainckpt.format.folder import delete_step_folder, is_abandoned, is_committed
 from trainckpt.format.layout import (
     ABANDONED_FILE,
@@ -53,6 +52,7 @@ from trainckpt.format.records import CheckpointManifest, CheckpointMetadata
 from trainckpt.storage import Storage
 from trainckpt.storage.checksums import FileEntry
 from trainckpt.storage.local import writing
+from trainckpt.testing.faults import fault_point
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from trainckpt.core import dist
-from trainckpt.core.direct import load_direct, loads_directly
+from trainckpt.core.self_saving_module import load_direct, loads_directly
 from trainckpt.errors import CheckpointNotFoundError, ConfigurationError
 from trainckpt.format import folder as save_folder
 from trainckpt.format import layout

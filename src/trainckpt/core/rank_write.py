@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from trainckpt.core import dist
-from trainckpt.core.direct import save_direct
+from trainckpt.core.self_saving_module import save_direct
 from trainckpt.errors import CheckpointError, ConfigurationError, StorageError
-from trainckpt.faults import fault_point
 from trainckpt.format import layout
 from trainckpt.storage.checksummed_file import checksummed_file
 from trainckpt.storage.checksums import FileEntry, crc32c_file
 from trainckpt.storage.local import fsync_dir, writing
+from trainckpt.testing.faults import fault_point
 
 if TYPE_CHECKING:  # imports DCP, which loads with the first save (`import trainckpt` stays fast)
     from trainckpt.format.shard_writer import ShardWriter
@@ -68,7 +68,7 @@ class TrainingFiles:
     model_state: dict[str, Any]
     """The (staged) state dict to write with DCP; empty when `direct_module` writes it."""
     direct_module: Any | None
-    """A module with OLMo-core's direct API (`direct.py`), or None."""
+    """A module with OLMo-core's direct API (`self_saving_module.py`), or None."""
     dcp_dir: str
     """The DCP folder inside the checkpoint (`layout.dcp_dirname`); "" for the folder itself."""
     group: dist.ProcessGroup | None

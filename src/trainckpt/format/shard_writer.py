@@ -24,7 +24,7 @@ own `FileSystemWriter` is how they are written:
   `torch.save`'s serializer, which gives the head and tail; the next ones of that kind are
   written as head + bytes + tail in one write. Thousands of small tensors (MoE experts,
   optimizer step counters) then cost microseconds each, not the ~0.4 ms of a zip writer;
-- each shard file ends with an item record (`item_record`): its own name, the save's id and
+- each shard file ends with an item record (`shard_checksums.py`): its own name, the save's id and
   the CRC32C of every item, computed from the bytes as they are written; the save id also goes
   into `.metadata` (`storage_meta.save_id`), so the reader can tell a misplaced or damaged
   shard without reading anything it would not read anyway. DCP's readers never read past the
@@ -58,7 +58,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from torch.serialization import DEFAULT_PROTOCOL, _get_storage_alignment, _save
 
-from trainckpt.format import item_record
+from trainckpt.format import shard_checksums
 from trainckpt.format.layout import DCP_METADATA_FILE
 from trainckpt.storage.checksummed_file import ChecksummedWriter, checksummed_file
 from trainckpt.storage.checksums import FileEntry
@@ -102,7 +102,7 @@ class RecordingWriter(FileSystemWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: DCP's file prefixes, plus one new save id for every rank."""
-        self.save_id = item_record.new_save_id()
+        self.save_id = shard_checksums.new_save_id()
         return [
             dataclasses.replace(
                 p, storage_data=_SavePrefix(p.storage_data.prefix, save_id=self.save_id)
@@ -221,7 +221,7 @@ def write_shard(
             else:
                 out.write(data.getbuffer() if isinstance(data, io.BytesIO) else data)
             parts.append(out.part())
-        out.write(item_record.encode(name, save_id, parts))
+        out.write(shard_checksums.encode(name, save_id, parts))
     return WrittenShard(name, out.entry(), [(offset, length) for offset, length, _ in parts])
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainckpt.core import dist
-from trainckpt.core.direct import saves_directly
+from trainckpt.core.self_saving_module import saves_directly
 from trainckpt.errors import ConfigurationError
 from trainckpt.local.module_state import load_into
 from trainckpt.local.tier import LocalTier

@@ -14,7 +14,6 @@ from typing import Any, cast
 
 import torch
 
-from trainckpt.faults import fault_point
 from trainckpt.local.layout import (
     MODULE_FILE,
     PART_FILE,
@@ -32,6 +31,7 @@ from trainckpt.storage.checksummed_file import ChecksummedWriter
 from trainckpt.storage.checksums import FileEntry
 from trainckpt.storage.direct_file import DirectWriter, direct_file
 from trainckpt.storage.local import fsync_dir, writing
+from trainckpt.testing.faults import fault_point
 
 
 def write_own_part(

@@ -9,9 +9,9 @@ import shutil
 import time
 from pathlib import Path
 
-from trainckpt.faults import fault_point
 from trainckpt.local.layout import scan, step_dirs
 from trainckpt.storage.local import fsync_dir
+from trainckpt.testing.faults import fault_point
 
 log = logging.getLogger(__name__)
 

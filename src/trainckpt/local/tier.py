@@ -49,7 +49,6 @@ from trainckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
 )
-from trainckpt.faults import fault_point
 from trainckpt.local.layout import (
     Holding,
     LocalCommit,
@@ -68,6 +67,7 @@ from trainckpt.local.receive import Placement, receive_missing
 from trainckpt.local.retention import clean_leftovers, retain
 from trainckpt.local.transfer import PhaseClock, Transfer, exchange
 from trainckpt.storage.local import writing
+from trainckpt.testing.faults import fault_point
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as tdist
 
 from trainckpt.core import dist
-from trainckpt.faults import fault_point
+from trainckpt.testing.faults import fault_point
 
 log = logging.getLogger(__name__)
 
