@@ -254,7 +254,12 @@ def _page_aligned(size: int) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
 
 
-def _open(opener: Callable[[Transfer], Source | Sink], t: Transfer, i: int, errors: dict) -> Any:
+def _open(
+    opener: Callable[[Transfer], Source | Sink],
+    t: Transfer,
+    i: int,
+    errors: dict[int, BaseException],
+) -> Any:
     try:
         return opener(t)
     except Exception as e:
