@@ -50,7 +50,7 @@ from bench_train import PEERS as TRAIN_PEERS  # noqa: E402
 from bench_train import TRAINCKPT_MODES, bench_training  # noqa: E402
 
 from trainckpt import Checkpointer, CheckpointerConfig, ModelAndOptim  # noqa: E402
-from trainckpt.format import item_record
+from trainckpt.format import shard_checksums
 
 TRAIN_STATE = {"step": 1, "note": "bench"}
 CONTENDERS = ("raw", "torch", "dcp", "olmo", "trainckpt", "async", "overlap", "process")
@@ -284,7 +284,7 @@ def _comparable(folder: Path) -> dict[str, Any]:
             continue
         if rel.endswith(".distcp"):
             with open(folder / rel, "rb") as f:
-                out[rel] = item_record.read(f, rel).items
+                out[rel] = shard_checksums.read(f, rel).items
         else:
             out[rel] = entry
     return out

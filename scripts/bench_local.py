@@ -115,7 +115,7 @@ def _rank(rank: int, port: int, root: str, size_mb: float, repeats: int, out: st
     rows: dict[str, list[float]] = {}
     ratios: dict[str, list[float]] = {"rf1": [], "replication": []}
     phase_log = _PhaseLog()
-    tier_log = logging.getLogger("trainckpt.core.local_tier")
+    tier_log = logging.getLogger("trainckpt.local.tier")
     tier_log.addHandler(phase_log)
     tier_log.setLevel(logging.INFO)
 

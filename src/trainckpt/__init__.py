@@ -30,9 +30,9 @@ if TYPE_CHECKING:
     )
     from trainckpt.format.records import CheckpointManifest, CheckpointMetadata
     from trainckpt.format.verify import VerifyReport
+    from trainckpt.integrations.olmo_core import OLMoCheckpointerConfig  # noqa: F401 (not in __all__: optional)
     from trainckpt.manager import CheckpointManager
     from trainckpt.model_states import ModelAndStates
-    from trainckpt.olmo import OLMoCheckpointerConfig  # noqa: F401 (not in __all__: optional)
     from trainckpt.retention.policy import CheckpointPolicy
     from trainckpt.train_module import ModelAndOptim, ModelWeights, TrainModule
 
@@ -69,7 +69,7 @@ _WHERE: dict[str, tuple[str, str]] = {
     "ModelWeights": ("trainckpt.train_module", "ModelWeights"),
     "TrainModule": ("trainckpt.train_module", "TrainModule"),
     # imports OLMo-core (the `olmo` extra), which takes seconds; not in __all__
-    "OLMoCheckpointerConfig": ("trainckpt.olmo", "OLMoCheckpointerConfig"),
+    "OLMoCheckpointerConfig": ("trainckpt.integrations.olmo_core", "OLMoCheckpointerConfig"),
     **{name: ("trainckpt.errors", name) for name in _ERRORS},
 }
 

@@ -23,17 +23,16 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar, cast
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from trainckpt.core import amend, dist, exit_guard
+from trainckpt.core import dist, exit_guard, file_after_commit
 from trainckpt.core.claim import DEFAULT_LEASE, MAX_LEASE
 from trainckpt.core.commit import SaveRequest, delete_checkpoint, save_checkpoint
-from trainckpt.core.direct import saves_directly
 from trainckpt.core.futures import CallbacksFirstFuture
 from trainckpt.core.gc_pause import paused_gc
 from trainckpt.core.incremental import History
 from trainckpt.core.load import LoadRequest, VerifyOnLoad, load_checkpoint
-from trainckpt.core.local_tier import LocalTier, load_into
 from trainckpt.core.rank_write import ListedFiles, TrainingFiles
 from trainckpt.core.save_report import SavedPath, SaveReport, TimedFiles
+from trainckpt.core.self_saving_module import saves_directly
 from trainckpt.core.staging import Stager, StreamMark
 from trainckpt.core.trainer_tensors import DeferredTrainerState
 from trainckpt.core.trainer_tensors import prepare as prepare_trainer_state
@@ -54,6 +53,8 @@ from trainckpt.format.verify import (
     newest_good,
     verify_checkpoint,
 )
+from trainckpt.local.facade import LocalCheckpoints, SaveThread
+from trainckpt.local.tier import LocalTier
 from trainckpt.storage import Storage, StorageOptions, resolve
 from trainckpt.storage.local import writing
 from trainckpt.train_module import TrainModule
@@ -617,7 +618,9 @@ class Checkpointer:
         write it (one at a time per checkpoint)."""
         storage, folder = resolve(dir, self._storage_options)
         data = contents.encode() if isinstance(contents, str) else contents
-        return amend.write_file(storage, folder, fname, data, overwrite=self.save_overwrite)
+        return file_after_commit.write_file(
+            storage, folder, fname, data, overwrite=self.save_overwrite
+        )
 
     def wait(self) -> str | None:
         """Wait for the in-flight async save, if any; return its path or raise its error."""
@@ -695,6 +698,15 @@ class Checkpointer:
         except Exception as e:
             error = e
         dist.agree(error, f"preparing the save of '{where}'", self.process_group)
+        return trainer, state
+
+    def _prepare_staged(
+        self, where: str, train_module: TrainModule, train_state: dict[str, Any]
+    ) -> tuple[bytes, dict[str, Any]]:
+        """`_prepare` with staging, for the local tier: the trainer state comes back serialized
+        (its GPU tensors staged with the model state). Called on: all ranks."""
+        trainer, state = self._prepare(where, train_module, train_state, stage=True)
+        assert isinstance(trainer, bytes)  # staged, then serialized
         return trainer, state
 
     def _stage(
@@ -864,107 +876,39 @@ class Checkpointer:
         return [s for s, _ in abandoned]
 
     # -- the node-local tier (docs/design.md §9, docs/local-tier.md) ----------------------------
+    @property
+    def local(self) -> LocalCheckpoints:
+        """The node-local tier: `ckpt.local.save(step, train_module, train_state)`,
+        `.latest()`, `.load(step, train_module)`, `.load_latest(train_module)` (see
+        `LocalCheckpoints`). Without `local_dir` each of them raises `ConfigurationError`.
+        A local save shares this checkpointer's save thread: one save runs at a time."""
+        return LocalCheckpoints(
+            self._local,
+            self.process_group,
+            SaveThread(
+                finish_pending=self._finish_pending,
+                stage=self._prepare_staged,
+                submit=self._in_background,
+            ),
+        )
+
     def save_local(
         self, step: int, train_module: TrainModule, train_state: dict[str, Any]
     ) -> Future[str]:
-        """Save `step` to the node-local tier: each rank's part to its node's `local_dir`,
-        replicas to peers on other nodes, then the two-phase commit.
-
-        Returns once the state is staged in CPU memory (the caller may step the optimizer);
-        writing, replication and the commit run on the save thread, and the future resolves
-        (to the step's local folder) only when the step is committed on every rank. One save
-        runs at a time, local or not: this call first waits for the previous one.
-
-        Called on: all ranks.
-        """
-        tier = self._local_tier("save_local")
-        if saves_directly(train_module):
-            raise ConfigurationError(
-                f"cannot save step {step} to the local tier: {type(train_module).__name__} "
-                "writes its state itself (save_state_dict_direct), so it cannot be staged"
-            )
-        self._finish_pending()
-        start = time.perf_counter()
-        where = str(tier.root / f"step{step}")
-        trainer, state = self._prepare(where, train_module, train_state, stage=True)
-        assert isinstance(trainer, bytes)  # staged, then serialized
-        trainer_bytes = trainer
-        log.info(
-            "staged local checkpoint step %d in %.2fs; writing and replicating in the background",
-            step,
-            time.perf_counter() - start,
-        )
-        staged: Future[None] = Future()
-        staged.set_result(None)
-
-        def run() -> str:
-            tier.save(step, state, trainer_bytes)
-            return where
-
-        return self._in_background(where, run, staged)
+        """Alias of `local.save` (the name the local tier first shipped with)."""
+        return self.local.save(step, train_module, train_state)
 
     def latest_local(self) -> int | None:
-        """The newest step of the local tier that the live ranks can assemble (every rank's
-        part held intact-sized by some rank, all of one save attempt), or None; the same answer
-        on every rank. Saves of another world size do not count (a warning says so). Waits for
-        an in-flight save first. Called on: all ranks."""
-        tier = self._local_tier("latest_local")
-        self._finish_pending()
-        return tier.latest()
+        """Alias of `local.latest`."""
+        return self.local.latest()
 
     def load_local(self, step: int, train_module: TrainModule) -> dict[str, Any] | None:
-        """Load `step` of the local tier into `train_module`; return this rank's trainer state.
-
-        Each rank reads its own part from its node's disk, or receives it from a rank on
-        another node that holds a replica; every copy is CRC32C-checked and a damaged one is
-        replaced by the next. Raises `CheckpointNotFoundError` when the live ranks cannot
-        assemble `step`, `CorruptCheckpointError` when some part has no intact copy left (then
-        load an older step, or from the save folder). Called on: all ranks.
-        """
-        tier = self._local_tier("load_local")
-        self._finish_pending()
-        start = time.perf_counter()
-        state, trainer_state = tier.restore(step)
-        where = self._apply_local(train_module, state, step, tier)
-        log.info("loaded %s in %.2fs", where, time.perf_counter() - start)
-        return trainer_state
+        """Alias of `local.load`."""
+        return self.local.load(step, train_module)
 
     def load_latest_local(self, train_module: TrainModule) -> tuple[int, dict[str, Any]] | None:
-        """Load the newest step of the local tier that restores: `latest_local()`, falling back
-        to the next older step the live ranks can assemble when some part of a step has no
-        intact copy left (logged). Returns (step, this rank's trainer state), or None when no
-        step restores (then load from the save folder). Called on: all ranks."""
-        tier = self._local_tier("load_latest_local")
-        self._finish_pending()
-        got = tier.restore_latest()
-        if got is None:
-            return None
-        step, state, trainer_state = got
-        where = self._apply_local(train_module, state, step, tier)
-        log.info("loaded %s", where)
-        return step, trainer_state
-
-    def _apply_local(
-        self, train_module: TrainModule, state: dict[str, Any], step: int, tier: LocalTier
-    ) -> str:
-        """Load a restored part into the module on every rank; every rank learns whether all
-        did. Returns a name of the step for logs. Called on: all ranks."""
-        where = f"local checkpoint step {step} under '{tier.root}'"
-        error: Exception | None = None
-        try:
-            load_into(train_module, state, where)
-        except Exception as e:
-            error = e
-        dist.agree(error, f"loading {where}", self.process_group)
-        return where
-
-    def _local_tier(self, what: str) -> LocalTier:
-        if self._local is None:
-            raise ConfigurationError(
-                f"{what}: this checkpointer has no local tier; set local_dir (a folder on "
-                "each node's own disk, the same path on every node) in CheckpointerConfig"
-            )
-        return self._local
+        """Alias of `local.load_latest`."""
+        return self.local.load_latest(train_module)
 
     # -- finding --------------------------------------------------------------------------------
     @classmethod

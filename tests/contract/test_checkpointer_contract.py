@@ -289,7 +289,7 @@ def test_objects_changed_during_the_save_are_never_committed(
     meanwhile makes the save fail, naming each of them, with no commit record; the step is
     free for the next save."""
     from trainckpt import CorruptCheckpointError
-    from trainckpt.faults import on_fault_point
+    from trainckpt.testing.faults import on_fault_point
 
     path = f"{place.root}/run/step1"
     storage, _ = resolve(path)

@@ -42,8 +42,8 @@ from trainckpt import (
 )
 from trainckpt.cli.main import main as cli_main
 from trainckpt.core.step_lock import StepLock
-from trainckpt.faults import on_fault_point
 from trainckpt.retention.remover import Remover
+from trainckpt.testing.faults import on_fault_point
 
 pytestmark = pytest.mark.slow
 

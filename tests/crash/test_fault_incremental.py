@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from support.crash_worker import FROZEN_ENV, Launcher, check_checkpoints, finish, tmp_folders
 
-from trainckpt.faults import INCREMENTAL_POINTS, POINTS
+from trainckpt.testing.faults import INCREMENTAL_POINTS, POINTS
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from support.crash_worker import Launcher, check_checkpoints, finish, tmp_folders
 
-from trainckpt.faults import POINTS
+from trainckpt.testing.faults import POINTS
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ import signal
 import pytest
 from support.crash_worker import check_checkpoints, finish, start_on_gcs
 
-from trainckpt.faults import POINTS
 from trainckpt.storage import storage_for
+from trainckpt.testing.faults import POINTS
 
 pytestmark = pytest.mark.slow
 

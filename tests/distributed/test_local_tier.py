@@ -16,8 +16,8 @@ from support import SUPPORT
 from support.local_tier_worker import expected_digest
 from support.multiproc import launch_ranks, need_mount_namespaces, on_disk, run_ranks
 
-from trainckpt.faults import ENV_VAR
-from trainckpt.format.local_layout import scan
+from trainckpt.local.layout import scan
+from trainckpt.testing.faults import ENV_VAR
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""The pipelined point-to-point exchange of the local tier (`core/local_transfer.py`) on 3 real
+"""The pipelined point-to-point exchange of the local tier (`local/transfer.py`) on 3 real
 gloo ranks: every rank sends to and receives from every other, several transfers per pair and
 direction, sizes around the chunk boundaries, 1 to 3 chunks in flight. Every received byte is
 compared with what its source produced; broken sources and sinks must cost only their own
@@ -61,7 +61,7 @@ class _Sink:
 
 
 def _transfers(world: int) -> list:
-    from trainckpt.core.local_transfer import Transfer
+    from trainckpt.local.transfer import Transfer
 
     out = []
     for src in range(world):
@@ -75,7 +75,7 @@ def _transfers(world: int) -> list:
 def _exchange(rank: int, world: int, depth: int, broken: dict) -> dict:
     """Run the exchange with the sources and sinks `broken` names failing; return what this
     rank received (as hex digests and lengths) and its failures."""
-    from trainckpt.core.local_transfer import exchange
+    from trainckpt.local.transfer import exchange
 
     transfers = _transfers(world)
     sinks: dict[int, _Sink] = {}

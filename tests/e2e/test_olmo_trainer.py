@@ -83,7 +83,10 @@ def test_stopped_and_resumed_run_is_bit_identical(tmp_path, reference, save_asyn
     manifest = json.loads((folder / "step7" / ".manifest.json").read_text())
     assert {"config.json", "data_paths.txt"} <= set(manifest["files"])
     config = json.loads((folder / "step7" / "config.json").read_text())
-    assert config["checkpointer"]["_CLASS_"] == "trainckpt.olmo.OLMoCheckpointerConfig"
+    assert (
+        config["checkpointer"]["_CLASS_"]
+        == "trainckpt.integrations.olmo_core.OLMoCheckpointerConfig"
+    )
 
 
 @pytest.mark.parametrize(
@@ -284,6 +287,19 @@ def test_config_round_trips_through_olmo_core_config_machinery():
     # One set of settings: the OLMo-core config has exactly CheckpointerConfig's fields.
     names = {f.name for f in dataclasses.fields(OLMoCheckpointerConfig)}
     assert names == set(CheckpointerConfig.model_fields)
+
+
+def test_a_config_saved_under_the_old_class_path_still_loads():
+    """Runs saved before the class moved name `trainckpt.olmo.OLMoCheckpointerConfig` in their
+    `config.json`; OLMo-core imports that path to read them back."""
+    saved = TrainerConfig(save_folder="/runs/x", checkpointer=OLMoCheckpointerConfig(fs_timeout=7))
+    as_json = json.loads(json.dumps(saved.as_config_dict()))
+    as_json["checkpointer"]["_CLASS_"] = "trainckpt.olmo.OLMoCheckpointerConfig"
+    with pytest.warns(DeprecationWarning, match="trainckpt.olmo is deprecated"):
+        sys.modules.pop("trainckpt.olmo", None)
+        back = TrainerConfig.from_dict(as_json)
+    assert isinstance(back.checkpointer, OLMoCheckpointerConfig)
+    assert back.checkpointer.fs_timeout == 7
 
 
 def test_trainer_config_fills_in_work_dir_and_save_overwrite(tmp_path):

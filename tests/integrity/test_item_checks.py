@@ -1,6 +1,6 @@
 """Same-size damage under the default `verify_on_load="size"`: shard files swapped within a
 checkpoint or copied in from another one, a flipped byte, swapped trainer state or `.metadata`.
-Each makes `load` raise `CorruptCheckpointError` naming the file (`item_record`)."""
+Each makes `load` raise `CorruptCheckpointError` naming the file (`format/shard_checksums.py`)."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from trainckpt import Checkpointer, CheckpointerConfig, CheckpointError, ModelAndOptim
-from trainckpt.faults import ENV_VAR
+from trainckpt.testing.faults import ENV_VAR
 
 WIDTH = 384  # two Linear layers: ~0.3M parameters, ~3.5 MB per checkpoint with AdamW moments
 KEEP = 2  # committed checkpoints the run keeps; older ones are deleted after each save

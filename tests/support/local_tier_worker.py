@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for `sup
 from support import rank_worker  # noqa: E402
 from support.models import fresh_module, make_module  # noqa: E402
 from trainckpt import Checkpointer, CheckpointerConfig  # noqa: E402
-from trainckpt.faults import ENV_VAR  # noqa: E402
+from trainckpt.testing.faults import ENV_VAR  # noqa: E402
 
 
 def digest(state: Any) -> str:

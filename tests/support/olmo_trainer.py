@@ -37,7 +37,7 @@ from olmo_core.train.train_module import (
 from olmo_core.utils import seed_all
 
 from trainckpt import OLMoCheckpointerConfig
-from trainckpt.faults import ENV_VAR as FAULT_ENV
+from trainckpt.testing.faults import ENV_VAR as FAULT_ENV
 
 VOCAB = 64
 SEQ = 16

@@ -290,7 +290,7 @@ def main(argv: list[str]) -> None:
 
     def arm(step: int) -> None:
         if fault is not None and step == fault[1]:
-            from trainckpt.faults import ENV_VAR
+            from trainckpt.testing.faults import ENV_VAR
 
             ckpt.maybe_wait_for_saving()  # the fault is for this save, not the one before
             os.environ[ENV_VAR] = fault[0]

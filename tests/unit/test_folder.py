@@ -25,11 +25,11 @@ from trainckpt import (
     CheckpointPolicy,
     ConfigurationError,
 )
-from trainckpt.faults import ENV_VAR
 from trainckpt.format import folder, layout
 from trainckpt.format.records import MAX_METADATA_BYTES, read_manifest
 from trainckpt.retention.remover import Remover
 from trainckpt.storage import LocalStorage, Storage, resolve
+from trainckpt.testing.faults import ENV_VAR
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

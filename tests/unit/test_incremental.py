@@ -25,7 +25,7 @@ from trainckpt import (
     ModelAndOptim,
 )
 from trainckpt.cli.main import main
-from trainckpt.format.item_record import SAVE_ID_PREFIX
+from trainckpt.format.shard_checksums import SAVE_ID_PREFIX
 
 
 def shards(path: str | Path) -> dict[str, os.stat_result]:

@@ -17,13 +17,14 @@ PACKAGE = Path(trainckpt.__file__).parent
 # Bottom to top. A module's layer is the first entry its dotted name (inside `trainckpt`) starts
 # with; the package root (`__init__`), the public facade, is above everything it re-exports.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "faults", "version"),
+    ("errors", "testing", "version"),
     ("storage",),
     ("format",),
     ("core",),
+    ("local",),  # the node-local tier, on top of the commit machinery
     ("retention",),
-    ("checkpointer", "manager", "checkpointing", "train_module", "model_states", "olmo"),
-    ("cli", "integrations", "__main__"),
+    ("checkpointer", "manager", "checkpointing", "train_module", "model_states"),
+    ("cli", "integrations", "olmo", "__main__"),  # olmo: a deprecated alias of integrations
     ("",),  # the package root
 ]
 

@@ -16,9 +16,9 @@ from support.models import assert_same_state, fresh_module, make_module
 
 from trainckpt import Checkpointer, CheckpointerConfig, CheckpointManager, CheckpointPolicy
 from trainckpt.errors import ConfigurationError, CorruptCheckpointError
-from trainckpt.faults import on_fault_point
-from trainckpt.format.local_layout import scan
+from trainckpt.local.layout import scan
 from trainckpt.storage.checksums import crc32c_bytes, crc32c_file
+from trainckpt.testing.faults import on_fault_point
 
 
 def _ckpt(tmp_path: Path, **kw: object) -> Checkpointer:
@@ -52,6 +52,23 @@ def test_round_trip_is_exact_and_keeps_local_keep_steps(tmp_path: Path):
         assert ckpt.load_local(step, into) == {"step": step}
         assert_same_state(into, modules[step])
     ckpt.close()
+
+
+def test_ckpt_local_is_the_tier_and_the_old_names_are_its_aliases(tmp_path: Path):
+    ckpt = _ckpt(tmp_path)
+    first = make_module(seed=1)
+    assert ckpt.local.save(1, first, {"step": 1}).result() == str(tmp_path / "local" / "step1")
+    ckpt.save_local(2, make_module(seed=2), {"step": 2}).result()  # the alias, same tier
+    assert ckpt.local.latest() == ckpt.latest_local() == 2
+    into = fresh_module()
+    assert ckpt.local.load(1, into) == {"step": 1}
+    assert_same_state(into, first)
+    assert ckpt.local.load_latest(fresh_module()) == (2, {"step": 2})
+    assert ckpt.load_latest_local(fresh_module()) == (2, {"step": 2})
+    ckpt.close()
+    plain = CheckpointerConfig(work_dir=tmp_path / "w").build()
+    with pytest.raises(ConfigurationError, match=r"local\.load_latest: .* set local_dir"):
+        plain.local.load_latest(fresh_module())
 
 
 def test_crashed_leftovers_are_deleted_at_start_and_count_for_nothing(tmp_path: Path):

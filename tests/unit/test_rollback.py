@@ -223,10 +223,10 @@ def test_object_store_copy_aside_outlives_a_failed_replacement_and_prune_clears_
     from trainckpt import CheckpointerConfig
     from trainckpt.core import claim as claims
     from trainckpt.core.commit import delete_leftover
-    from trainckpt.faults import on_fault_point
     from trainckpt.format.folder import scan_folder
     from trainckpt.retention.prune import apply_prune, plan_prune
     from trainckpt.storage import resolve
+    from trainckpt.testing.faults import on_fault_point
 
     folder = f"{s3_bucket}/rollback"
     ckpt = CheckpointerConfig(work_dir=tmp_path / "work", claim_lease=1.0).build()

@@ -24,7 +24,7 @@ from support import TESTS
 from support.models import fresh_module, make_module
 
 from trainckpt import Checkpointer, CheckpointerConfig, StorageError
-from trainckpt.faults import ENV_VAR
+from trainckpt.testing.faults import ENV_VAR
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

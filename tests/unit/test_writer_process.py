@@ -30,8 +30,8 @@ from trainckpt.core.dcp import save_state
 from trainckpt.core.shared_memory import locate
 from trainckpt.core.staging import Stager
 from trainckpt.core.writer_process import WriterProcess
-from trainckpt.faults import ENV_VAR
 from trainckpt.storage.checksums import crc32c_file
+from trainckpt.testing.faults import ENV_VAR
 
 pytestmark = pytest.mark.ckpt(async_writer="process")
 

@@ -27,7 +27,8 @@ from pathlib import Path
 from trainckpt.core import claim as claims
 from trainckpt.core import dist
 from trainckpt.core.claim import Claim
-from trainckpt.core.rank_write import RankFiles, Reuse, WriteTarget
+from trainckpt.core.incremental import Reuse
+from trainckpt.core.rank_write import RankFiles, WriteTarget
 from trainckpt.core.step_lock import StepLock
 from trainckpt.core.upload_turns import run_in_turns
 from trainckpt.errors import (
@@ -38,7 +39,6 @@ from trainckpt.errors import (
     CorruptCheckpointError,
     SharedFolderError,
 )
-from trainckpt.faults import fault_point
 from trainckpt.format.folder import delete_step_folder, is_abandoned, is_committed
 from trainckpt.format.layout import (
     ABANDONED_FILE,
@@ -53,6 +53,7 @@ from trainckpt.format.records import CheckpointManifest, CheckpointMetadata
 from trainckpt.storage import Storage
 from trainckpt.storage.checksums import FileEntry
 from trainckpt.storage.local import writing
+from trainckpt.testing.faults import fault_point
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.planner import (
 from trainckpt.core import dist
 from trainckpt.core.gc_pause import paused_gc
 from trainckpt.errors import CheckpointError, StorageError
-from trainckpt.format import item_record
+from trainckpt.format import shard_checksums
 from trainckpt.format.layout import DCP_METADATA_FILE
 from trainckpt.format.safe_unpickle import load_torch_plain
 from trainckpt.format.shard_reader import ParallelReader
@@ -204,7 +204,7 @@ def _save_id(metadata: Metadata, folder: str) -> str | None:
     """The id of the save that wrote `folder`, if its shards carry item records; else None
     (written by OLMo-core, plain DCP or trainckpt 0.1: not checked item by item)."""
     save_id = getattr(metadata.storage_meta, "save_id", None)
-    if isinstance(save_id, str) and save_id.startswith(item_record.SAVE_ID_PREFIX):
+    if isinstance(save_id, str) and save_id.startswith(shard_checksums.SAVE_ID_PREFIX):
         return save_id
     log.info(
         "'%s' has no item records (written by OLMo-core, plain DCP or trainckpt 0.1): its "

@@ -33,18 +33,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from trainckpt.errors import CheckpointError, CheckpointNotFoundError
-from trainckpt.faults import fault_point
-from trainckpt.format import item_record
+from trainckpt.format import shard_checksums
 from trainckpt.format.content_hash import bytes_digest, tensor_digest, tensor_kind
 from trainckpt.storage import Storage
 from trainckpt.storage.checksums import FileEntry
+from trainckpt.testing.faults import fault_point
 
 if TYPE_CHECKING:  # DCP loads with the first save; `History` is built with the Checkpointer
     from torch.distributed.checkpoint.planner import WriteItem
-    from torch.distributed.checkpoint.storage import WriteResult
 
-    from trainckpt.core.rank_write import Reuse
-    from trainckpt.format.shard_writer import ItemData, Shard, WrittenShard
+    from trainckpt.format.shard_writer import ItemData, Layout, Shard, WrittenShard
 
 log = logging.getLogger(__name__)
 
@@ -119,15 +117,17 @@ class History:
             self._pending = []
 
 
-@dataclass
-class Layout:
-    """How one rank's items of a save go to files."""
+@dataclass(frozen=True)
+class Reuse:
+    """Where a save puts the files it takes over unchanged from the previous checkpoint
+    (`incremental.py`): a hard link into `-tmp`, or a server-side copy into the claimed prefix,
+    instead of writing (and uploading) them."""
 
-    groups: list[list[WriteItem]]
-    """Items to write: each group fills files of its own (unchanged ones first)."""
-    reused_files: dict[str, FileEntry] = field(default_factory=dict)
-    """Files taken over (name in the DCP folder -> size and CRC32C)."""
-    reused_results: list[WriteResult] = field(default_factory=list)
+    storage: Storage
+    into: str
+    """The location standing for the checkpoint folder: `-tmp`, or the step's prefix."""
+    done: set[str] = field(default_factory=set)
+    """Paths (relative to the checkpoint) of the files placed so far: none is uploaded."""
 
 
 class Session:
@@ -153,7 +153,7 @@ class Session:
         rank, in DCP's `write_data`."""
         from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-        from trainckpt.format.shard_writer import ReusedResult
+        from trainckpt.format.shard_writer import Layout, ReusedResult
 
         with ThreadPoolExecutor(max(1, threads), thread_name_prefix="trainckpt-hash") as pool:
             for item, keyed in zip(
@@ -271,7 +271,7 @@ def _check(storage: Storage, location: str, f: SavedFile) -> None:
     if size != f.entry.size:
         raise CheckpointError(f"'{location}' has {size} bytes, not the {f.entry.size} recorded")
     with storage.open_read(location) as stream:
-        record = item_record.read(stream, location)
+        record = shard_checksums.read(stream, location)
     record.check_identity(location, f.name, frozenset([f.save_id]))
 
 

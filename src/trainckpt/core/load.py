@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from trainckpt.core import dist
 from trainckpt.core.cuda_calls import CudaCalls
-from trainckpt.core.direct import load_direct, loads_directly
+from trainckpt.core.self_saving_module import load_direct, loads_directly
 from trainckpt.core.trainer_tensors import on_rank_device
 from trainckpt.errors import CheckpointNotFoundError, ConfigurationError
 from trainckpt.format import folder as save_folder

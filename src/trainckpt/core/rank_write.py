@@ -15,40 +15,26 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from trainckpt.core import dist
-from trainckpt.core.direct import save_direct
+from trainckpt.core.self_saving_module import save_direct
 from trainckpt.errors import CheckpointError, ConfigurationError, StorageError
-from trainckpt.faults import fault_point
 from trainckpt.format import layout
 from trainckpt.storage.checksummed_file import checksummed_file
 from trainckpt.storage.checksums import FileEntry, crc32c_file
 from trainckpt.storage.local import fsync_dir, writing
+from trainckpt.testing.faults import fault_point
 
 if TYPE_CHECKING:  # imports DCP, which loads with the first save (`import trainckpt` stays fast)
-    from trainckpt.core.incremental import History
+    from trainckpt.core.incremental import History, Reuse
     from trainckpt.format.shard_writer import ShardWriter
-    from trainckpt.storage import Storage
 
 OnFile = Callable[[str], None]
 """Gets the path of each file (relative to the checkpoint) as soon as it is complete, from any
 thread: the protocol starts its upload."""
-
-
-@dataclass(frozen=True)
-class Reuse:
-    """Where a save puts the files it takes over unchanged from the previous checkpoint
-    (`incremental.py`): a hard link into `-tmp`, or a server-side copy into the claimed prefix,
-    instead of writing (and uploading) them."""
-
-    storage: Storage
-    into: str
-    """The location standing for the checkpoint folder: `-tmp`, or the step's prefix."""
-    done: set[str] = field(default_factory=set)
-    """Paths (relative to the checkpoint) of the files placed so far: none is uploaded."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +71,7 @@ class TrainingFiles:
     model_state: dict[str, Any]
     """The (staged) state dict to write with DCP; empty when `direct_module` writes it."""
     direct_module: Any | None
-    """A module with OLMo-core's direct API (`direct.py`), or None."""
+    """A module with OLMo-core's direct API (`self_saving_module.py`), or None."""
     dcp_dir: str
     """The DCP folder inside the checkpoint (`layout.dcp_dirname`); "" for the folder itself."""
     group: dist.ProcessGroup | None

@@ -44,9 +44,9 @@ import torch
 
 from trainckpt.core.shared_memory import Arena, Span, allocate, file_size_limit, locate
 from trainckpt.errors import CheckpointError, StorageError
-from trainckpt.faults import fault_point
 from trainckpt.format.shard_writer import ItemData, Shard, WrittenShard, write_shard
 from trainckpt.storage.local import write_failure
+from trainckpt.testing.faults import fault_point
 
 log = logging.getLogger(__name__)
 

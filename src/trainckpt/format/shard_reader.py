@@ -9,7 +9,7 @@ copy into the target release the GIL. The planner is only called under a lock.
 Given the id of the save that wrote the checkpoint (`save_id`, from `.metadata`), every shard
 file this rank reads has its item record read and checked first (it must name that file and that
 save), before any item is loaded; then each item's bytes are checked against their recorded
-CRC32C once in memory, before they are deserialized (`item_record`); the tensor is then built on
+CRC32C once in memory, before they are deserialized (`shard_checksums`); the tensor is then built on
 those checked bytes in place (`_load_checked`), so a checked load copies each byte as often as an
 unchecked one: from the file into memory, from memory into the model.
 """
@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemRe
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from trainckpt.format import item_record
+from trainckpt.format import shard_checksums
 from trainckpt.storage.ranged import RangeReader
 
 
@@ -73,19 +73,19 @@ class ParallelReader(FileSystemReader):
             for future in [pool.submit(fn, piece) for piece in work]:
                 future.result()
 
-    def _records(self, names: list[str]) -> dict[str, item_record.ItemRecord]:
+    def _records(self, names: list[str]) -> dict[str, shard_checksums.ItemRecord]:
         """The item record of each shard file `names`, each checked to name that file and this
         save; none without a `save_id`. Read before any item, so a misplaced file stops the
         load before any tensor reaches the model."""
-        records: dict[str, item_record.ItemRecord] = {}
+        records: dict[str, shard_checksums.ItemRecord] = {}
         if self.save_id is None:
             return records
-        save_ids = item_record.save_ids(self.save_id)
+        save_ids = shard_checksums.save_ids(self.save_id)
 
         def read(name: str) -> None:
             path = str(self.fs.concat_path(self.path, name))
             with self.fs.create_stream(path, "rb") as stream:
-                record = item_record.read(stream, path)
+                record = shard_checksums.read(stream, path)
             record.check_identity(path, name, save_ids)
             records[name] = record
 
@@ -97,7 +97,7 @@ class ParallelReader(FileSystemReader):
         reqs: list[ReadItem],
         planner: LoadPlanner,
         lock: threading.Lock,
-        records: dict[str, item_record.ItemRecord],
+        records: dict[str, shard_checksums.ItemRecord],
     ) -> None:
         buffer = _ItemBuffer()
         with ExitStack() as stack:

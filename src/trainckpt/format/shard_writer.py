@@ -27,7 +27,7 @@ own `FileSystemWriter` is how they are written:
 - with an incremental save (`core/incremental.py`), the items unchanged since the previous save
   fill files of their own, and a file whose items are all unchanged is taken over from the
   previous checkpoint (hard link, server-side copy) instead of being written;
-- each shard file ends with an item record (`item_record`): its own name, the save's id and
+- each shard file ends with an item record (`shard_checksums.py`): its own name, the save's id and
   the CRC32C of every item, computed from the bytes as they are written; the save id also goes
   into `.metadata` (`storage_meta.save_id`), so the reader can tell a misplaced or damaged
   shard without reading anything it would not read anyway. DCP's readers never read past the
@@ -42,11 +42,11 @@ import functools
 import io
 import itertools
 import pickle
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Protocol, cast
+from typing import IO, Protocol, cast
 
 import torch
 from torch.distributed.checkpoint.filesystem import (
@@ -62,14 +62,35 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from torch.serialization import DEFAULT_PROTOCOL, _get_storage_alignment, _save
 
-from trainckpt.format import item_record
+from trainckpt.format import shard_checksums
 from trainckpt.format.layout import DCP_METADATA_FILE
 from trainckpt.storage.checksummed_file import ChecksummedWriter, checksummed_file
 from trainckpt.storage.checksums import FileEntry
 from trainckpt.storage.local import writing
 
-if TYPE_CHECKING:
-    from trainckpt.core.incremental import Session
+
+@dataclass
+class Layout:
+    """How one rank's items of a save go to files (an incremental save's choice)."""
+
+    groups: list[list[WriteItem]]
+    """Items to write: each group fills files of its own (unchanged ones first)."""
+    reused_files: dict[str, FileEntry] = dataclasses.field(default_factory=dict)
+    """Files taken over (name in the DCP folder -> size and CRC32C)."""
+    reused_results: list[WriteResult] = dataclasses.field(default_factory=list)
+
+
+class ItemLayout(Protocol):
+    """What lays a rank's items out in files and hears what was written: an incremental save
+    (`core/incremental.py` `Session`)."""
+
+    def lay_out(
+        self, items: list[WriteItem], resolve: Callable[[WriteItem], ItemData], threads: int
+    ) -> Layout: ...
+
+    def record(
+        self, shards: Sequence[Shard], written: Sequence[WrittenShard], save_id: str
+    ) -> None: ...
 
 
 @dataclasses.dataclass
@@ -99,7 +120,7 @@ class RecordingWriter(FileSystemWriter):
         durable: bool = True,
         on_file: Callable[[str], None] | None = None,
         shard_writer: ShardWriter | None = None,
-        incremental: Session | None = None,
+        incremental: ItemLayout | None = None,
     ) -> None:
         """`thread_count`: shard files per rank. `on_file(name)` is called (on a writing
         thread) as soon as a shard is complete. `shard_writer` writes the files (default: one
@@ -120,7 +141,7 @@ class RecordingWriter(FileSystemWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: DCP's file prefixes, plus one new save id for every rank."""
-        self.save_id = item_record.new_save_id()
+        self.save_id = shard_checksums.new_save_id()
         return [
             dataclasses.replace(
                 p, storage_data=_SavePrefix(p.storage_data.prefix, save_id=self.save_id)
@@ -133,7 +154,7 @@ class RecordingWriter(FileSystemWriter):
         and those of the saves that wrote files this one took over), with write errors naming
         the file."""
         sources = {r.source_save_id for rs in results for r in rs if isinstance(r, ReusedResult)}
-        self.save_id = item_record.join_save_ids(self.save_id, sources)  # `storage_meta()`'s
+        self.save_id = shard_checksums.join_save_ids(self.save_id, sources)  # `storage_meta()`'s
         metadata.storage_meta = StorageMeta(save_id=self.save_id)
         with writing(Path(self.path) / DCP_METADATA_FILE):
             super().finish(metadata, results)
@@ -249,7 +270,7 @@ def write_shard(
             else:
                 out.write(data.getbuffer() if isinstance(data, io.BytesIO) else data)
             parts.append(out.part())
-        out.write(item_record.encode(name, save_id, parts))
+        out.write(shard_checksums.encode(name, save_id, parts))
     return WrittenShard(name, out.entry(), [(offset, length) for offset, length, _ in parts])
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from trainckpt.faults import fault_point
+from trainckpt.testing.faults import fault_point
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@
 A part counts only where a commit marker of its own attempt, in the same attempt folder, lists
 its owner: parts of two attempts at one step are never combined, and a crash before the markers
 leaves nothing that counts. Everything here is what one disk holds; deciding what the job can
-restore (the coverage vote) is `core/local_tier.py`'s.
+restore (the coverage vote) is `local/tier.py`'s.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ class Holding:
 
 
 @dataclass(frozen=True)
-class Leftover:
+class LocalLeftover:
     """Something of the local tier on this disk that counts for nothing (a crash left it)."""
 
     step: int
@@ -200,7 +200,7 @@ def _commits(folder: Path) -> dict[int, LocalCommit | None]:
     return out
 
 
-def scan(root: Path) -> tuple[list[Holding], list[Leftover]]:
+def scan(root: Path) -> tuple[list[Holding], list[LocalLeftover]]:
     """What the disk under `root` holds: committed parts (a marker of their attempt lists them
     and their records and file sizes agree), and leftovers that count for nothing (parts no
     marker lists, attempts without a marker, temp files). Damaged committed parts are logged
@@ -208,13 +208,13 @@ def scan(root: Path) -> tuple[list[Holding], list[Leftover]]:
 
     Called on: any rank; reads only this disk."""
     holdings: list[Holding] = []
-    leftovers: list[Leftover] = []
+    leftovers: list[LocalLeftover] = []
     for step, sdir in step_dirs(root):
         for name in sorted(os.listdir(sdir)):
             adir = sdir / name
             if not _ATTEMPT_RE.match(name) or not adir.is_dir() or adir.is_symlink():
                 if name.endswith(".tmp"):
-                    leftovers.append(Leftover(step, adir, "temporary file of a crashed write"))
+                    leftovers.append(LocalLeftover(step, adir, "temporary file of a crashed write"))
                 continue
             commits = _commits(adir)
             listed = {
@@ -224,16 +224,18 @@ def scan(root: Path) -> tuple[list[Holding], list[Leftover]]:
                 for p in c.parts
             }
             if not commits:
-                leftovers.append(Leftover(step, adir, "a save attempt that never committed"))
+                leftovers.append(LocalLeftover(step, adir, "a save attempt that never committed"))
                 continue
             for entry in sorted(os.listdir(adir)):
                 m = _PART_RE.match(entry)
                 if entry.endswith(".tmp"):
                     leftovers.append(
-                        Leftover(step, adir / entry, "temporary file of a crashed write")
+                        LocalLeftover(step, adir / entry, "temporary file of a crashed write")
                     )
                 elif m and int(m.group(1)) not in listed:
-                    leftovers.append(Leftover(step, adir / entry, "a part no commit marker lists"))
+                    leftovers.append(
+                        LocalLeftover(step, adir / entry, "a part no commit marker lists")
+                    )
                 elif m:
                     held = _holding(adir / entry, step, name, int(m.group(1)))
                     if held is not None:

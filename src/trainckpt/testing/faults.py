@@ -27,7 +27,7 @@ POINTS = (
 )
 """Points of the save folder's commit protocol (each is reached by every save)."""
 
-LOCAL_POINTS = (  # the node-local tier (core/local_tier.py)
+LOCAL_POINTS = (  # the node-local tier (local/tier.py)
     "local-writing",  # this rank's module state of its part is written, its trainer state not
     "local-replicating",  # the first chunk of every replica (and restore copy) went out
     "local-between-phases",  # every part and replica durable and agreed, no commit marker yet

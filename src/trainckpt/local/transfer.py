@@ -33,7 +33,7 @@ import torch
 import torch.distributed as tdist
 
 from trainckpt.core import dist
-from trainckpt.faults import fault_point
+from trainckpt.testing.faults import fault_point
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +254,12 @@ def _page_aligned(size: int) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
 
 
-def _open(opener: Callable[[Transfer], Source | Sink], t: Transfer, i: int, errors: dict) -> Any:
+def _open(
+    opener: Callable[[Transfer], Source | Sink],
+    t: Transfer,
+    i: int,
+    errors: dict[int, BaseException],
+) -> Any:
     try:
         return opener(t)
     except Exception as e:
