@@ -275,12 +275,12 @@ def _forked_rank(
 ) -> None:
     """A forked rank (`fork_ranks`): take the rank's environment, working directory, log and
     node disk, then run `worker.main()` as `python worker SCENARIO OUT ARGS...` would."""
-    if disk is not None:
-        enter_mount_namespace(*disk)  # first: unshare refuses a process that has threads
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    if disk is not None:
+        enter_mount_namespace(*disk)  # before anything starts a thread: unshare refuses those
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
