@@ -145,7 +145,7 @@ def launch_ranks(
     return _collect(
         scenario,
         out,
-        [_Rank(lambda t, p=p: p.wait(timeout=t), p.kill, subprocess.TimeoutExpired) for p in procs],
+        [_Rank(p.wait, p.kill, subprocess.TimeoutExpired) for p in procs],
         timeout,
     )
 
