@@ -1,5 +1,5 @@
 """The node-local tier over 4 gloo ranks on 2 simulated nodes: each "node" is its own folder
-bind-mounted at the same path in each rank's mount namespace (`support.multiproc.on_disk`).
+bind-mounted at the same path in each rank's mount namespace (`support.multiproc.fork_ranks`).
 Every restore is compared bit for bit (a digest of the loaded module's state) with what that
 rank saved at that step."""
 
@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import SUPPORT
 from support.local_tier_worker import expected_digest
-from support.multiproc import launch_ranks, need_mount_namespaces, on_disk, run_ranks
+from support.multiproc import fork_ranks, need_mount_namespaces, run_ranks
 
 from trainckpt.local.layout import scan
 from trainckpt.testing.faults import ENV_VAR
@@ -29,7 +28,7 @@ def _nodes() -> None:
     need_mount_namespaces()
 
 
-WORKER = SUPPORT / "local_tier_worker.py"
+WORKER = "support.local_tier_worker"
 WORLD = 4
 
 
@@ -54,19 +53,19 @@ class Job:
     ) -> list[tuple[int, dict | None]]:
         self.runs += 1
 
-        return launch_ranks(
+        return fork_ranks(
+            WORKER,
             scenario,
             world,
             self.tmp / f"run{self.runs}",
             str(self.local),
             *args,
-            prefix=lambda r: on_disk(self.disks[node_of(r)], self.local),
+            disk=lambda r: (self.disks[node_of(r)], self.local),
             env=lambda r: {
                 "LOCAL_WORLD_SIZE": "2",
                 "LOCAL_RANK": str(r % 2),
                 **(env(r) if env else {}),
             },
-            worker=WORKER,
             timeout=180,
         )
 

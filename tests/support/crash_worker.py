@@ -11,13 +11,11 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import multiprocessing as mp
 import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing import forkserver
 from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event
@@ -373,21 +371,11 @@ class Launcher:
 
     @classmethod
     def create(cls) -> Launcher:
-        """Start the forkserver now, able to import this module (Python 3.11's forkserver
-        ignores the parent's sys.path; it does inherit PYTHONPATH)."""
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["support.crash_worker"])
-        here = str(Path(__file__).resolve().parents[1])  # tests/, for `support`
-        old = os.environ.get("PYTHONPATH")
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, old) if p)
-        try:
-            forkserver.ensure_running()
-        finally:
-            if old is None:
-                del os.environ["PYTHONPATH"]
-            else:
-                os.environ["PYTHONPATH"] = old
-        return cls(ctx)
+        """Start the tests' forkserver now, with this module preloaded
+        (`multiproc.forkserver_context`)."""
+        from support.multiproc import forkserver_context
+
+        return cls(forkserver_context())
 
     def call(self, fn: Any, *args: Any, **kwargs: Any) -> BaseProcess:
         """Start `fn(*args, **kwargs)`, a function of this module, in a forked process."""

@@ -1,5 +1,5 @@
-"""One rank of a node-local tier scenario (`test_local_tier.py`), run as its own process by
-`multiproc.launch_ranks(..., worker=...)` through `rank_worker.main` (result JSON, errors).
+"""One rank of a node-local tier scenario (`test_local_tier.py`), forked as its own process by
+`multiproc.fork_ranks` through `rank_worker.main` (result JSON, errors).
 
 Each rank's state is its own (seeded by rank, step and attempt), so a part restored to the
 wrong rank, from the wrong step or from another attempt changes the digest the test compares.
@@ -109,6 +109,13 @@ def local_restore(local: str, then_save: str = "") -> dict:
 
 rank_worker.SCENARIOS.update({f.__name__: f for f in (local_save, local_restore)})
 
-if __name__ == "__main__":
+
+def main() -> None:
+    """`local_tier_worker.py SCENARIO OUT ARGS...`: a script's or a forked rank's entry
+    (`multiproc.fork_ranks`)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     rank_worker.main()
+
+
+if __name__ == "__main__":
+    main()
