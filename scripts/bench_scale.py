@@ -12,8 +12,9 @@ Two measurements, each a table and a `scale` section of `--json`:
 2. **Simulated many ranks.** Real thousand-rank jobs are not available here, so synthetic
    per-rank inputs for 256..8,192 ranks (every tensor sharded over every rank) are fed to the
    functions rank 0 and every rank run: DCP's global save planning, the manifest and the
-   commit's file check (rank 0), and reading the checkpoint's metadata (every rank, a foreign
-   `.metadata` through the safe unpickler against `pickle` itself). Reported: seconds and peak
+   commit's file check (rank 0), and reading the checkpoint's metadata (every rank: a foreign
+   `.metadata` through the safe unpickler against `pickle` itself, and trainckpt's own
+   `.metadata.trainckpt`). Reported: seconds and peak
    traced memory per function.
 """
 
@@ -327,6 +328,7 @@ def bench_ranks(rank_counts: list[int], tensors: int) -> dict[str, Any]:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     from trainckpt.core.commit import _check_complete
+    from trainckpt.format import native_metadata
     from trainckpt.format.records import CheckpointManifest
     from trainckpt.format.safe_unpickle import load_dcp_metadata
     from trainckpt.storage.checksums import FileEntry
@@ -370,6 +372,12 @@ def bench_ranks(rank_counts: list[int], tensors: int) -> dict[str, Any]:
         row["every rank: safe unpickle (.metadata)"] = _measure(
             lambda d=data: load_dcp_metadata(d, "sim/.metadata")
         )
+        native = native_metadata.encode(sim_metadata(ranks, tensors))
+        assert native is not None
+        row["native_bytes"] = len(native)
+        row["every rank: trainckpt's own record"] = _measure(
+            lambda d=native: native_metadata.decode(d, "sim/.metadata.trainckpt")
+        )
         out[str(ranks)] = row
         print(f"  simulated {ranks} ranks: done", flush=True)
     return {"tensors": tensors, "results": out}
@@ -390,6 +398,10 @@ def ranks_table(report: dict[str, Any]) -> str:
         lines.append(f"{fn:<40}{cells}")
     lines.append(
         f"{'.metadata MB':<40}" + "".join(f"{rows[r]['metadata_bytes'] / 1e6:>16.1f}" for r in rows)
+    )
+    lines.append(
+        f"{'.metadata.trainckpt MB':<40}"
+        + "".join(f"{rows[r]['native_bytes'] / 1e6:>16.1f}" for r in rows)
     )
     return "\n".join(lines)
 

@@ -96,8 +96,9 @@ def test_damaged_or_missing_item_record(ckpt, run):
     _load_fails(ckpt, run / "step1", r"__0_0\.distcp' has no trainckpt item record")
 
 
-@pytest.mark.parametrize("rel", ["train/rank0.pt", "model_and_optim/.metadata"])
+@pytest.mark.parametrize("rel", ["train/rank0.pt", "model_and_optim/.metadata.trainckpt"])
 def test_whole_files_copied_in_from_another_checkpoint(ckpt, run, rel):
+    """(DCP's `.metadata` is not read by a load: trainckpt reads its own record instead.)"""
     assert (run / "step1" / rel).stat().st_size == (run / "step2" / rel).stat().st_size
     shutil.copyfile(run / "step2" / rel, run / "step1" / rel)
     _load_fails(ckpt, run / "step1", f"step1/{rel}' is not the file this checkpoint was saved with")

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from trainckpt import CheckpointerConfig
 from trainckpt.core.dcp import save_state
 from trainckpt.format import shard_writer
+from trainckpt.format.layout import DCP_METADATA_FILE, NATIVE_METADATA_FILE
 from trainckpt.storage.checksums import crc32c_file
 
 
@@ -27,7 +28,8 @@ def test_shards_written_in_parallel_carry_the_crc32c_of_their_bytes(tmp_path: Pa
     entries = save_state(module.state_dict_to_save(), tmp_path / "dcp", group=None, thread_count=4)
     shards = sorted((tmp_path / "dcp").glob("*.distcp"))
     assert len(shards) == 4  # one file per writer thread
-    assert set(entries) == {f"dcp/{p.name}" for p in shards} | {"dcp/.metadata"}
+    records = {f"dcp/{DCP_METADATA_FILE}", f"dcp/{NATIVE_METADATA_FILE}"}
+    assert set(entries) == {f"dcp/{p.name}" for p in shards} | records
     for rel, entry in entries.items():
         assert entry == crc32c_file(tmp_path / rel), rel  # re-read from disk: same size and CRC
 
@@ -55,7 +57,7 @@ def test_a_view_is_written_without_the_rest_of_its_storage(tmp_path: Path) -> No
 
 def test_a_rank_with_nothing_to_write_writes_no_shard(tmp_path: Path) -> None:
     entries = save_state({}, tmp_path / "dcp", group=None, thread_count=2)
-    assert list(entries) == ["dcp/.metadata"]
+    assert sorted(entries) == [f"dcp/{DCP_METADATA_FILE}", f"dcp/{NATIVE_METADATA_FILE}"]
     assert not list((tmp_path / "dcp").glob("*.distcp"))
 
 
@@ -77,7 +79,7 @@ def test_async_save_is_byte_identical_to_sync_save(tmp_path: Path) -> None:
     assert sync_files.keys() == async_files.keys()
     compared = 0
     for rel in sync_files:
-        if rel.endswith("/.metadata"):  # DCP's metadata holds a random save id
+        if rel.endswith((f"/{DCP_METADATA_FILE}", f"/{NATIVE_METADATA_FILE}")):  # hold the save id
             continue
         if rel.endswith(".distcp"):  # so does each shard's item record: compare the rest
             sync_items, sync_record = split_item_record(sync_dir / rel)

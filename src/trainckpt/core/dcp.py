@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.planner import (
     SavePlan,
 )
 
-from trainckpt.core import dist
+from trainckpt.core import dist, plan_cache
 from trainckpt.core.gc_pause import paused_gc
 from trainckpt.errors import CheckpointError, StorageError
 from trainckpt.format import shard_checksums
@@ -84,24 +84,30 @@ def save_state(
         incremental=incremental,
     )
     where = f"writing DCP state into '{folder}'"
+    planner = _SavePlanner(dist.get_rank(group), dist.get_world_size(group))
     with paused_gc(), _quiet_single_process(), plain_errors(where, StorageError):
-        dcp.save(
-            state,
-            storage_writer=writer,
-            planner=_SavePlanner(),
-            process_group=group,
-            no_dist=not dist.is_distributed(),
-        )
+        try:
+            dcp.save(
+                state,
+                storage_writer=writer,
+                planner=planner,
+                process_group=group,
+                no_dist=not dist.is_distributed(),
+            )
+        except BaseException:
+            plan_cache.forget()  # every rank sees the failure: all plan the next save anew
+            raise
     entries = dict(writer.written)  # shards: CRC32C computed while writing
     if dist.get_rank(group) == 0:
         entries[DCP_METADATA_FILE] = crc32c_file(folder / DCP_METADATA_FILE)
     return {f"{rel}{n}": e for n, e in entries.items()}
 
 
-class _SavePlanner(DefaultSavePlanner):
-    """DCP's save planner, minus the deduplication across ranks when there is one rank: DCP
-    hashes every item's index to find items that several ranks hold (a tenth of a one-rank save
-    of thousands of entries), and with one plan it returns that plan unchanged."""
+class _SavePlanner(plan_cache.ReusingSavePlanner):
+    """DCP's save planner, reusing the last plan of the same structure (`plan_cache`), minus
+    the deduplication across ranks when there is one rank: DCP hashes every item's index to
+    find items that several ranks hold (a tenth of a one-rank save of thousands of entries),
+    and with one plan it returns that plan unchanged."""
 
     def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
         if len(all_plans) == 1:

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from trainckpt.core import dist
 from trainckpt.core.cuda_calls import CudaCalls
+from trainckpt.core.gc_pause import paused_gc
 from trainckpt.core.self_saving_module import load_direct, loads_directly
 from trainckpt.core.trainer_tensors import on_rank_device
 from trainckpt.errors import CheckpointNotFoundError, ConfigurationError
@@ -103,7 +104,8 @@ def load_checkpoint(
             error = e
         dist.agree(error, f"reading the trainer state of '{path}'", group)
 
-    # 3. DCP's `.metadata`, read with the allow-list, then the model state.
+    # 3. The DCP folder's metadata (trainckpt's own record, or `.metadata` read with the
+    #    allow-list), then the model state.
     if load_optim_state is None and layout.parse_step(storage.name(path)) == 0:
         log.info("'%s' is a step-0 (seed) checkpoint: loading model weights only", path)
         load_optim_state = False
@@ -111,16 +113,18 @@ def load_checkpoint(
         read_dcp_metadata,  # imported on first use: slow to import
     )
 
-    md_rel = (
-        layout.DCP_METADATA_FILE
-        if folder == path
-        else f"{storage.name(folder)}/{layout.DCP_METADATA_FILE}"
-    )
-    metadata = read_dcp_metadata(  # refuses unsafe or misplaced metadata, direct API too
-        storage,
-        folder,
-        check=lambda data, at: check_loaded_file(facts.manifest, md_rel, data, at),
-    )
+    md_prefix = "" if folder == path else f"{storage.name(folder)}/"
+    native_rel = f"{md_prefix}{layout.NATIVE_METADATA_FILE}"
+    with paused_gc():  # one small object per chunk: see gc_pause
+        metadata = read_dcp_metadata(  # refuses unsafe or misplaced metadata, direct API too
+            storage,
+            folder,
+            check=lambda name, data, at: check_loaded_file(
+                facts.manifest, f"{md_prefix}{name}", data, at
+            ),
+            # trainckpt's own record, if the manifest (where there is one) vouches for it
+            native=facts.manifest is None or native_rel in facts.manifest.files,
+        )
     if loads_directly(train_module):
         if reset_optimizer_states_on_load is None and trainer_state is not None:
             reset_optimizer_states_on_load = getattr(
@@ -245,7 +249,6 @@ def _load_module_state(
     """Load the checkpoint's DCP folder into the module's state dict and apply it; return
     the trainer state without the `exclude`d keys. Called on: all ranks."""
     from trainckpt.core.dcp import load_state
-    from trainckpt.core.gc_pause import paused_gc
 
     with paused_gc():  # thousands of entries: see gc_pause
         state = train_module.state_dict_to_load(metadata, optim=load_optim_state)

@@ -1,6 +1,7 @@
-"""DCP's `.metadata` record, read as hostile input: size-bounded (a bound that grows with the
+"""A DCP folder's metadata, read as hostile input: size-bounded (a bound that grows with the
 folder's shard files, `records.dcp_metadata_bound`), optionally checked against the manifest
-first, and unpickled only by the exact allow-list in `safe_unpickle`.
+first, then parsed from trainckpt's own record (`native_metadata`, no unpickling) where there
+is one, else from DCP's `.metadata`, unpickled only by the exact allow-list in `safe_unpickle`.
 
 Called on: any rank that plans a load, and offline tools (inspect, export, verify)."""
 
@@ -12,7 +13,8 @@ from collections.abc import Callable
 from torch.distributed.checkpoint.metadata import Metadata
 
 from trainckpt.errors import CorruptCheckpointError
-from trainckpt.format.layout import DCP_METADATA_FILE
+from trainckpt.format import native_metadata
+from trainckpt.format.layout import DCP_METADATA_FILE, NATIVE_METADATA_FILE
 from trainckpt.format.records import (
     DCP_METADATA_FLOOR_BYTES,
     dcp_metadata_bound,
@@ -25,21 +27,44 @@ log = logging.getLogger(__name__)
 
 
 def read_dcp_metadata(
-    storage: Storage, folder: str, check: Callable[[bytes, str], None] | None = None
+    storage: Storage,
+    folder: str,
+    check: Callable[[str, bytes, str], None] | None = None,
+    *,
+    native: bool = True,
 ) -> Metadata:
-    """DCP's `.metadata` of `folder`, read safely; `check(data, where)` may refuse its bytes
-    first (e.g. against the manifest)."""
+    """The metadata of the DCP folder `folder`: from trainckpt's own record
+    (`.metadata.trainckpt`, parsed without unpickling) when `native` and the folder has one,
+    else from DCP's `.metadata` through the safe unpickler. `check(name, data, where)` may
+    refuse the bytes of either file first (e.g. against the manifest)."""
+    if native:
+        where = storage.join(folder, NATIVE_METADATA_FILE)
+        try:
+            data = _read_bounded(storage, folder, where)
+        except FileNotFoundError:
+            pass  # written by DCP, OLMo-core, torchtitan or trainckpt before 0.3
+        else:
+            if check is not None:
+                check(NATIVE_METADATA_FILE, data, where)
+            return native_metadata.decode(data, where)
     where = storage.join(folder, DCP_METADATA_FILE)
-    data = storage.read_bytes(where, 0, DCP_METADATA_FLOOR_BYTES + 1)
-    if len(data) > DCP_METADATA_FLOOR_BYTES:  # past the floor: the folder's shards decide
-        del data
-        data = read_record_bytes(storage, where, dcp_metadata_bound(_shard_bytes(storage, folder)))
+    data = _read_bounded(storage, folder, where)
     if check is not None:
-        check(data, where)
+        check(DCP_METADATA_FILE, data, where)
     md = load_dcp_metadata(data, where)
     if not isinstance(md, Metadata):
         raise CorruptCheckpointError(f"{where} does not hold DCP metadata")
     return md
+
+
+def _read_bounded(storage: Storage, folder: str, where: str) -> bytes:
+    """The bytes of the metadata file `where` of `folder`, at most the floor, or past it at
+    most `dcp_metadata_bound` of the folder's shard files."""
+    data = storage.read_bytes(where, 0, DCP_METADATA_FLOOR_BYTES + 1)
+    if len(data) > DCP_METADATA_FLOOR_BYTES:  # past the floor: the folder's shards decide
+        del data
+        data = read_record_bytes(storage, where, dcp_metadata_bound(_shard_bytes(storage, folder)))
+    return data
 
 
 def _shard_bytes(storage: Storage, folder: str) -> int:

@@ -17,6 +17,9 @@ TRAIN_DIR = "train"
 MODEL_DIR = "model_and_optim"
 DCP_METADATA_FILE = ".metadata"
 """torch.distributed.checkpoint's own metadata file inside a DCP folder."""
+NATIVE_METADATA_FILE = ".metadata.trainckpt"
+"""trainckpt's own description of the DCP folder, beside `.metadata` (`native_metadata`): read
+instead of unpickling `.metadata`; DCP and other readers ignore it."""
 TMP_SUFFIX = "-tmp"
 REPLACED_SUFFIX = "-replaced"
 """Filesystems: where a save moves the old folder of its step (abandoned by a rollback,

@@ -31,7 +31,9 @@ own `FileSystemWriter` is how they are written:
   the CRC32C of every item, computed from the bytes as they are written; the save id also goes
   into `.metadata` (`storage_meta.save_id`), so the reader can tell a misplaced or damaged
   shard without reading anything it would not read anyway. DCP's readers never read past the
-  last item, so they are not affected.
+  last item, so they are not affected;
+- beside `.metadata`, the coordinator writes the same metadata in trainckpt's own format
+  (`.metadata.trainckpt`, `native_metadata`), so trainckpt's loads never unpickle.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import dataclasses
 import functools
 import io
 import itertools
+import os
 import pickle
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -62,10 +65,10 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from torch.serialization import DEFAULT_PROTOCOL, _get_storage_alignment, _save
 
-from trainckpt.format import shard_checksums
-from trainckpt.format.layout import DCP_METADATA_FILE
+from trainckpt.format import native_metadata, shard_checksums
+from trainckpt.format.layout import DCP_METADATA_FILE, NATIVE_METADATA_FILE
 from trainckpt.storage.checksummed_file import ChecksummedWriter, checksummed_file
-from trainckpt.storage.checksums import FileEntry
+from trainckpt.storage.checksums import FileEntry, crc32c_bytes
 from trainckpt.storage.local import writing
 
 
@@ -151,13 +154,24 @@ class RecordingWriter(FileSystemWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: DCP's own step (writes `.metadata`, with the save id recorded in it,
-        and those of the saves that wrote files this one took over), with write errors naming
-        the file."""
+        and those of the saves that wrote files this one took over), then the same metadata in
+        trainckpt's own format (`native_metadata`, recorded in `written`), with write errors
+        naming the file."""
         sources = {r.source_save_id for rs in results for r in rs if isinstance(r, ReusedResult)}
         self.save_id = shard_checksums.join_save_ids(self.save_id, sources)  # `storage_meta()`'s
         metadata.storage_meta = StorageMeta(save_id=self.save_id)
         with writing(Path(self.path) / DCP_METADATA_FILE):
             super().finish(metadata, results)
+        native = native_metadata.encode(metadata)
+        if native is not None:
+            where = Path(self.path) / NATIVE_METADATA_FILE
+            with writing(where), open(where, "wb") as f:
+                f.write(native)
+                if self.sync_files:
+                    os.fsync(f.fileno())
+            self.written[NATIVE_METADATA_FILE] = FileEntry(
+                size=len(native), crc32c=crc32c_bytes(native)
+            )
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self.save_id = plan.storage_data.save_id

@@ -47,7 +47,7 @@ def dcp_problems(storage: Storage, folder: str) -> list[str]:
     )
 
     try:
-        metadata = read_dcp_metadata(storage, folder)
+        metadata = read_dcp_metadata(storage, folder, native=False)
     except (CheckpointError, OSError) as e:
         return [str(e)]
     needed: dict[str, int] = {}
@@ -87,7 +87,7 @@ def rewritten_by_another_writer(storage: Storage, ckpt: str) -> str | None:
         manifest = read_manifest(storage, ckpt)
         sub = layout.dcp_dirname(storage.name(ckpt))
         folder = storage.join(ckpt, sub) if sub else ckpt
-        metadata = read_dcp_metadata(storage, folder)
+        metadata = read_dcp_metadata(storage, folder, native=False)
     except (CheckpointError, OSError):
         return None
     named = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})

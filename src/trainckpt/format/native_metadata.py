@@ -1,0 +1,393 @@
+"""trainckpt's own description of a DCP folder (`.metadata.trainckpt`): the same `Metadata` as
+DCP's pickled `.metadata`, in a form that is parsed without unpickling anything.
+
+Rank 0 writes it beside `.metadata` (which stays, so DCP, OLMo-core and torchtitan still load
+the folder); trainckpt's loader reads it instead of `.metadata` when it is there and, where the
+checkpoint has a manifest, listed in it with the size and CRC32C read. Layout
+(`docs/design.md`, "Layout"):
+
+    b"TCKPTMD1"                      8 bytes, magic and version
+    header length                    8 bytes, unsigned little-endian
+    header                           UTF-8 JSON object, at most MAX_HEADER_BYTES
+    chunk table                      little-endian int64s, `header["ints"]` of them
+
+The header holds one record per state entry (tensors: name, dtype, flags, size and chunk
+count; byte values: name and place), the shard file names, DCP's planner data and storage
+meta. The chunk table holds, for every chunk of every tensor in header order, its offsets and
+sizes (`ndim` each), its index hint + 1 (0: none), its file's position in `files`, and its
+offset and length in that file: all non-negative, checked in one pass.
+
+Parsing never runs code: the header is plain JSON, checked field by field against the types
+above; dtypes come from a fixed table; the table is read as integers. A crafted file is
+refused with `CorruptCheckpointError` naming it. Memory stays proportional to the file (which
+`records.dcp_metadata_bound` bounds): the header's containers are counted before it is
+parsed, and every count is checked against the bytes that carry it.
+
+Called on: rank 0 at the end of a save (`encode`); any rank that plans a load (`decode`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from array import array
+from collections.abc import Sequence
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from trainckpt.errors import CorruptCheckpointError
+
+MAGIC = b"TCKPTMD1"
+VERSION = 1
+MAX_HEADER_BYTES = 256 * 1024 * 1024
+"""Largest header read: ~200 bytes per state entry, so about a million entries per folder."""
+BYTES_PER_CONTAINER = 8
+"""The header may hold at most one JSON list or object per this many of its bytes: every
+record of a real header is longer, and it bounds what a crafted `[[[],[],...` can cost in
+memory (each container is an object of ~60 bytes)."""
+MAX_NDIM = 64
+_PREFIX = len(MAGIC) + 8
+_PER_CHUNK = 4  # index hint, file, offset, length (plus 2 * ndim)
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
+}
+"""Every dtype torch has, by name: the only way a name from the file becomes a dtype."""
+
+
+# -- writing (rank 0) --------------------------------------------------------------------------
+
+
+def encode(md: Metadata) -> bytes | None:
+    """`md` in this format, or None when it holds something the format does not describe
+    (another layout or memory format, transforms, chunks without exactly one stored piece,
+    unusual planner data): then only `.metadata` is written, and loads unpickle it safely."""
+    try:
+        return _encode(md)
+    except _Unsupported:
+        return None
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _need(ok: bool) -> None:
+    if not ok:
+        raise _Unsupported
+
+
+def _encode(md: Metadata) -> bytes:
+    storage = md.storage_data
+    _need(isinstance(storage, dict))
+    files: dict[str, int] = {}
+    by_key: dict[tuple[str, tuple[int, ...] | None], tuple[MetadataIndex, _StorageInfo]] = {}
+    for key, info in storage.items():
+        _need(type(key) is MetadataIndex and type(info) is _StorageInfo)
+        _need(info.transform_descriptors is None and isinstance(info.relative_path, str))
+        offset = None if key.offset is None else tuple(key.offset)
+        by_key[(key.fqn, offset)] = (key, info)
+        files.setdefault(info.relative_path, len(files))
+    tensors: list[list[Any]] = []
+    byte_values: list[list[Any]] = []
+    ints: list[int] = []
+    for fqn, entry in md.state_dict_metadata.items():
+        _need(isinstance(fqn, str))
+        if type(entry) is BytesStorageMetadata:
+            key, info = _pop(by_key, (fqn, None))
+            byte_values.append(
+                [fqn, _hint(key), files[info.relative_path], info.offset, info.length]
+            )
+            continue
+        if type(entry) is not TensorStorageMetadata or not isinstance(entry, TensorStorageMetadata):
+            raise _Unsupported
+        p = entry.properties
+        _need(p.layout == torch.strided and p.memory_format == torch.contiguous_format)
+        size = list(entry.size)
+        tensors.append(
+            [
+                fqn,
+                str(p.dtype).removeprefix("torch."),
+                bool(p.requires_grad),
+                bool(p.pin_memory),
+                size,
+                len(entry.chunks),
+            ]
+        )
+        for chunk in entry.chunks:
+            _need(len(chunk.offsets) == len(size) == len(chunk.sizes))
+            key, info = _pop(by_key, (fqn, tuple(chunk.offsets)))
+            ints += chunk.offsets
+            ints += chunk.sizes
+            ints += (_hint(key), files[info.relative_path], info.offset, info.length)
+    _need(not by_key)  # every stored piece belongs to exactly one entry
+    header = {
+        "version": VERSION,
+        "dcp_version": md.version,
+        "storage_meta": _encode_storage_meta(md.storage_meta),
+        "planner_data": _encode_planner_data(md.planner_data),
+        "files": list(files),
+        "tensors": tensors,
+        "bytes": byte_values,
+        "ints": len(ints),
+    }
+    head = json.dumps(header, separators=(",", ":")).encode()
+    _need(len(head) <= MAX_HEADER_BYTES)
+    table = array("q", ints)
+    if sys.byteorder == "big":
+        table.byteswap()
+    return MAGIC + len(head).to_bytes(8, "little") + head + table.tobytes()
+
+
+def _pop(by_key: dict[Any, tuple[MetadataIndex, _StorageInfo]], key: Any) -> Any:
+    """The stored piece of an entry or chunk, taken out of `by_key`; none is unsupported."""
+    found = by_key.pop(key, None)
+    _need(found is not None)
+    return found
+
+
+def _hint(key: MetadataIndex) -> int:
+    return 0 if key.index is None else key.index + 1
+
+
+def _encode_storage_meta(meta: StorageMeta | None) -> dict[str, Any] | None:
+    if meta is None:
+        return None
+    _need(type(meta) is StorageMeta)
+    cid = meta.checkpoint_id
+    _need(cid is None or isinstance(cid, str | PurePosixPath))
+    _need(all(isinstance(m, str) for m in meta.modules))
+    return {
+        "checkpoint_id": None if cid is None else [type(cid).__name__ != "str", str(cid)],
+        "save_id": meta.save_id,
+        "load_id": meta.load_id,
+        "modules": list(meta.modules),
+    }
+
+
+def _encode_planner_data(data: Any) -> list[list[Any]] | None:
+    if data is None:
+        return None
+    _need(isinstance(data, dict))
+    out = []
+    for fqn, path in data.items():
+        _need(isinstance(fqn, str) and isinstance(path, tuple))
+        _need(all(type(p) in (str, int) for p in path))
+        out.append([fqn, list(path)])
+    return out
+
+
+# -- reading (any rank) ------------------------------------------------------------------------
+
+
+def decode(data: bytes, where: str) -> Metadata:
+    """The `Metadata` that `data` (the bytes of `where`) describes; `CorruptCheckpointError`
+    naming `where` and the field when anything in it is out of place."""
+    return _Decoder(data, where).metadata()
+
+
+class _Decoder:
+    def __init__(self, data: bytes, where: str) -> None:
+        self.data = data
+        self.where = where
+
+    def fail(self, what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"'{self.where}' is not a valid trainckpt metadata record: {what}. It is never "
+            "needed to load: delete it to load through DCP's .metadata, or restore the "
+            "checkpoint from a copy"
+        )
+
+    def check(self, ok: bool, what: str) -> None:
+        if not ok:
+            raise self.fail(what)
+
+    def metadata(self) -> Metadata:
+        data = self.data
+        self.check(data[: len(MAGIC)] == MAGIC, "it does not start with the trainckpt magic")
+        self.check(len(data) >= _PREFIX, "it is truncated")
+        head_len = int.from_bytes(data[len(MAGIC) : _PREFIX], "little")
+        self.check(
+            head_len <= min(MAX_HEADER_BYTES, len(data) - _PREFIX),
+            f"its header length {head_len} exceeds the file or {MAX_HEADER_BYTES} bytes",
+        )
+        head = data[_PREFIX : _PREFIX + head_len]
+        containers = head.count(b"[") + head.count(b"{")
+        self.check(
+            containers * BYTES_PER_CONTAINER <= max(head_len, 64),
+            f"its header has {containers} lists and objects in {head_len} bytes",
+        )
+        try:
+            header = json.loads(head)
+        except (ValueError, RecursionError) as e:
+            raise self.fail(f"its header is not JSON ({type(e).__name__})") from None
+        h = self.fields(
+            header,
+            "header",
+            (
+                "version",
+                "dcp_version",
+                "storage_meta",
+                "planner_data",
+                "files",
+                "tensors",
+                "bytes",
+                "ints",
+            ),
+        )
+        self.check(h["version"] == VERSION, f"version {h['version']!r} is not {VERSION}")
+        table_bytes = len(data) - _PREFIX - head_len
+        count = h["ints"]
+        self.check(
+            type(count) is int and count * 8 == table_bytes,
+            f"'ints' ({count!r}) does not match the {table_bytes} bytes of its chunk table",
+        )
+        table = array("q")
+        table.frombytes(data[_PREFIX + head_len :])
+        if sys.byteorder == "big":
+            table.byteswap()
+        self.check(not table or min(table) >= 0, "its chunk table holds a negative number")
+        files = self.strings(h["files"], "files")
+        entries: dict[str, Any] = {}
+        storage: dict[MetadataIndex, _StorageInfo] = {}
+        self.tensors(h["tensors"], table.tolist(), files, entries, storage)
+        self.byte_values(h["bytes"], files, entries, storage)
+        return Metadata(
+            state_dict_metadata=entries,
+            planner_data=self.planner_data(h["planner_data"]),
+            storage_data=storage,
+            storage_meta=self.storage_meta(h["storage_meta"]),
+            version=self.optional_str(h["dcp_version"], "dcp_version"),
+        )
+
+    def fields(self, obj: Any, what: str, names: Sequence[str]) -> dict[str, Any]:
+        self.check(
+            isinstance(obj, dict) and sorted(obj) == sorted(names),
+            f"'{what}' does not have exactly the fields {sorted(names)}",
+        )
+        return obj  # type: ignore[no-any-return]
+
+    def strings(self, obj: Any, what: str) -> list[str]:
+        self.check(
+            isinstance(obj, list) and all(isinstance(s, str) for s in obj),
+            f"'{what}' is not a list of strings",
+        )
+        return obj  # type: ignore[no-any-return]
+
+    def optional_str(self, obj: Any, what: str) -> str | None:
+        self.check(obj is None or isinstance(obj, str), f"'{what}' is not a string or null")
+        return obj  # type: ignore[no-any-return]
+
+    def tensors(
+        self,
+        records: Any,
+        ints: list[int],
+        files: list[str],
+        entries: dict[str, Any],
+        storage: dict[MetadataIndex, _StorageInfo],
+    ) -> None:
+        self.check(isinstance(records, list), "'tensors' is not a list")
+        pos = 0
+        for rec in records:
+            self.check(isinstance(rec, list) and len(rec) == 6, "a tensor record is not 6 fields")
+            fqn, dtype_name, grad, pinned, size, chunk_count = rec
+            self.check(isinstance(fqn, str) and fqn not in entries, f"tensor name {fqn!r}")
+            dtype = _DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+            if dtype is None:
+                raise self.fail(f"tensor '{fqn}': dtype {dtype_name!r} is unknown")
+            self.check(type(grad) is bool and type(pinned) is bool, f"tensor '{fqn}': flags")
+            self.check(
+                isinstance(size, list)
+                and len(size) <= MAX_NDIM
+                and all(type(n) is int and n >= 0 for n in size),
+                f"tensor '{fqn}': size {size!r}",
+            )
+            ndim = len(size)
+            width = 2 * ndim + _PER_CHUNK
+            self.check(
+                type(chunk_count) is int
+                and 0 <= chunk_count
+                and pos + chunk_count * width <= len(ints),
+                f"tensor '{fqn}': {chunk_count!r} chunks overrun the chunk table",
+            )
+            chunks = []
+            for _ in range(chunk_count):
+                offsets = torch.Size(ints[pos : pos + ndim])
+                sizes = torch.Size(ints[pos + ndim : pos + 2 * ndim])
+                hint, file, offset, length = ints[pos + 2 * ndim : pos + width]
+                pos += width
+                self.check(file < len(files), f"tensor '{fqn}': file {file} is not listed")
+                chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=sizes))
+                key = MetadataIndex(fqn, offsets, hint - 1 if hint else None)
+                storage[key] = _StorageInfo(files[file], offset, length)
+            props = TensorProperties(dtype=dtype, requires_grad=grad, pin_memory=pinned)
+            entries[fqn] = TensorStorageMetadata(props, torch.Size(size), chunks)
+        self.check(pos == len(ints), "the chunk table is longer than its tensors' chunks")
+
+    def byte_values(
+        self,
+        records: Any,
+        files: list[str],
+        entries: dict[str, Any],
+        storage: dict[MetadataIndex, _StorageInfo],
+    ) -> None:
+        self.check(isinstance(records, list), "'bytes' is not a list")
+        for rec in records:
+            self.check(isinstance(rec, list) and len(rec) == 5, "a bytes record is not 5 fields")
+            fqn, hint, file, offset, length = rec
+            self.check(isinstance(fqn, str) and fqn not in entries, f"bytes name {fqn!r}")
+            self.check(
+                all(type(n) is int and n >= 0 for n in (hint, file, offset, length))
+                and file < len(files),
+                f"bytes value '{fqn}': place {rec[1:]!r}",
+            )
+            entries[fqn] = BytesStorageMetadata()
+            storage[MetadataIndex(fqn, None, hint - 1 if hint else None)] = _StorageInfo(
+                files[file], offset, length
+            )
+
+    def planner_data(self, obj: Any) -> dict[str, tuple[str | int, ...]] | None:
+        if obj is None:
+            return None
+        self.check(isinstance(obj, list), "'planner_data' is not a list")
+        out: dict[str, tuple[str | int, ...]] = {}
+        for rec in obj:
+            ok = isinstance(rec, list) and len(rec) == 2 and isinstance(rec[0], str)
+            ok = ok and isinstance(rec[1], list) and all(type(p) in (str, int) for p in rec[1])
+            self.check(ok, f"a 'planner_data' record is not [name, [str|int...]]: {rec!r:.80}")
+            out[rec[0]] = tuple(rec[1])
+        return out
+
+    def storage_meta(self, obj: Any) -> StorageMeta | None:
+        if obj is None:
+            return None
+        m = self.fields(obj, "storage_meta", ("checkpoint_id", "save_id", "load_id", "modules"))
+        cid = m["checkpoint_id"]
+        ok = cid is None or (
+            isinstance(cid, list)
+            and len(cid) == 2
+            and type(cid[0]) is bool
+            and isinstance(cid[1], str)
+        )
+        self.check(ok, "'storage_meta.checkpoint_id' is not null or [is_path, text]")
+        checkpoint_id: Any = None if cid is None else cid[1]
+        if cid is not None and cid[0]:  # a path is what DCP's own writer records
+            checkpoint_id = Path(cid[1])
+        return StorageMeta(
+            checkpoint_id=checkpoint_id,
+            save_id=self.optional_str(m["save_id"], "storage_meta.save_id"),
+            load_id=self.optional_str(m["load_id"], "storage_meta.load_id"),
+            modules=self.strings(m["modules"], "storage_meta.modules"),
+        )

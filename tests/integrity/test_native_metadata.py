@@ -1,0 +1,315 @@
+"""trainckpt's own metadata record (`.metadata.trainckpt`, format/native_metadata.py): written
+beside DCP's `.metadata` and covered by the manifest, read instead of unpickling `.metadata`,
+never running code, bounded in memory, and refused with an error naming it when crafted.
+Folders without it still load through the safe unpickler."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from tests.support.hostile import Calls, shell
+from tests.support.models import assert_same_state, fresh_module, make_module
+from trainckpt import CheckpointerConfig, CorruptCheckpointError
+from trainckpt.format import native_metadata
+from trainckpt.format.layout import NATIVE_METADATA_FILE
+from trainckpt.format.records import read_manifest
+from trainckpt.format.safe_unpickle import load_dcp_metadata
+from trainckpt.storage import resolve
+
+DCP = "model_and_optim"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A committed checkpoint of a small model and AdamW, with a non-tensor value."""
+    root = tmp_path_factory.mktemp("native")
+    ckpt = CheckpointerConfig(work_dir=root / "work").build()
+    ckpt.save(root / "step1", make_module(), {"step": 1})
+    ckpt.close()
+    return root / "step1"
+
+
+def _copy(saved: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(saved, tmp_path / "step1"))
+
+
+def _load(path: Path, verify: str = "none") -> Any:
+    module = fresh_module()
+    ckpt = CheckpointerConfig(work_dir=path.parent / "load-work", verify_on_load=verify).build()
+    try:
+        ckpt.load(path, module)
+    finally:
+        ckpt.close()
+    return module
+
+
+def test_it_is_written_listed_in_the_manifest_and_describes_the_same_metadata(
+    saved: Path,
+) -> None:
+    native = (saved / DCP / NATIVE_METADATA_FILE).read_bytes()
+    manifest = read_manifest(*resolve(str(saved)))
+    assert manifest.files[f"{DCP}/{NATIVE_METADATA_FILE}"].size == len(native)
+    pickled = load_dcp_metadata((saved / DCP / ".metadata").read_bytes(), "x")
+    assert native_metadata.decode(native, "n") == pickled
+    assert pickled.storage_data == native_metadata.decode(native, "n").storage_data
+
+
+def test_a_load_reads_it_and_never_dcp_metadata(saved: Path, tmp_path: Path) -> None:
+    path = _copy(saved, tmp_path)
+    marker = tmp_path / "pwned"
+    # A .metadata that would run a command if anything unpickled it (not checked: level none).
+    evil = pickle.dumps(Calls(os.system, shell(marker)))
+    pickle.loads(evil)  # the payload works when unpickled unsafely
+    assert marker.exists()
+    marker.unlink()
+    (path / DCP / ".metadata").write_bytes(evil)
+    assert_same_state(_load(path), make_module())
+    assert not marker.exists()
+
+
+def test_without_it_a_load_unpickles_metadata_safely(saved: Path, tmp_path: Path) -> None:
+    path = _copy(saved, tmp_path)
+    (path / DCP / NATIVE_METADATA_FILE).unlink()  # a folder of trainckpt before this record
+    assert_same_state(_load(path), make_module())
+
+
+def test_one_planted_after_the_commit_is_refused(saved: Path, tmp_path: Path) -> None:
+    path = _copy(saved, tmp_path)
+    manifest = json.loads((path / ".manifest.json").read_bytes())
+    del manifest["files"][f"{DCP}/{NATIVE_METADATA_FILE}"]
+    (path / ".manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CorruptCheckpointError, match=r"\.metadata\.trainckpt' is not in the"):
+        _load(path, verify="size")
+
+
+def test_a_swapped_one_is_refused_against_the_manifest(saved: Path, tmp_path: Path) -> None:
+    path = _copy(saved, tmp_path)
+    where = path / DCP / NATIVE_METADATA_FILE
+    data = bytearray(where.read_bytes())
+    data[-1] ^= 1  # same size: only the CRC32C tells
+    where.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=r"\.metadata\.trainckpt.*CRC32C"):
+        _load(path, verify="size")
+
+
+# -- crafted records ---------------------------------------------------------------------------
+
+
+def _record(header: dict[str, Any] | bytes, ints: bytes = b"") -> bytes:
+    head = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return native_metadata.MAGIC + len(head).to_bytes(8, "little") + head + ints
+
+
+def _header(**changes: Any) -> dict[str, Any]:
+    h: dict[str, Any] = {
+        "version": 1,
+        "dcp_version": "1.0.0",
+        "storage_meta": None,
+        "planner_data": None,
+        "files": ["__0_0.distcp"],
+        "tensors": [["w", "float32", False, False, [4], 1]],
+        "bytes": [],
+        "ints": 6,
+    }
+    return h | changes
+
+
+def _ints(*values: int) -> bytes:
+    return b"".join(v.to_bytes(8, "little", signed=True) for v in values)
+
+
+GOOD_INTS = _ints(0, 4, 1, 0, 0, 100)  # offset 0, size 4, hint 0, file 0, at 0, 100 bytes
+
+
+def test_a_minimal_record_is_read() -> None:
+    md = native_metadata.decode(_record(_header(), GOOD_INTS), "ok")
+    tensor = md.state_dict_metadata["w"]
+    assert isinstance(tensor, TensorStorageMetadata)
+    assert tensor.size == torch.Size([4]) and tensor.properties.dtype == torch.float32
+    assert md.storage_data == {MetadataIndex("w", [0]): _StorageInfo("__0_0.distcp", 0, 100)}
+
+
+CRAFTED: dict[str, tuple[bytes, str]] = {
+    "a pickle": (pickle.dumps({"a": 1}), "magic"),
+    "truncated": (native_metadata.MAGIC + b"\x01", "truncated"),
+    "header past the end": (native_metadata.MAGIC + (10**9).to_bytes(8, "little"), "header"),
+    "header not JSON": (_record(b"{not json"), "not JSON"),
+    "header not an object": (_record(b"[1, 2]"), "exactly the fields"),
+    "an extra field": (_record(_header(code="import os"), GOOD_INTS), "exactly the fields"),
+    "another version": (_record(_header(version=2), GOOD_INTS), "version"),
+    "ints not the table": (_record(_header(ints=7), GOOD_INTS), "'ints'"),
+    "ints not a number": (_record(_header(ints="6"), GOOD_INTS), "'ints'"),
+    "negative in the table": (_record(_header(), _ints(0, 4, 0, 0, -1, 100)), "negative"),
+    "a dtype by name": (
+        _record(_header(tensors=[["w", "os.system", False, False, [4], 1]]), GOOD_INTS),
+        "dtype 'os.system' is unknown",
+    ),
+    "a dtype attribute": (
+        _record(_header(tensors=[["w", "__class__", False, False, [4], 1]]), GOOD_INTS),
+        "unknown",
+    ),
+    "chunks past the table": (
+        _record(_header(tensors=[["w", "float32", False, False, [4], 10**15]]), GOOD_INTS),
+        "overrun",
+    ),
+    "too many dimensions": (
+        _record(_header(tensors=[["w", "float32", False, False, [1] * 65, 1]]), GOOD_INTS),
+        "size",
+    ),
+    "a negative size": (
+        _record(_header(tensors=[["w", "float32", False, False, [-4], 1]]), GOOD_INTS),
+        "size",
+    ),
+    "a file not listed": (_record(_header(), _ints(0, 4, 0, 5, 0, 100)), "not listed"),
+    "a table longer than the chunks": (
+        _record(_header(ints=12), GOOD_INTS + GOOD_INTS),
+        "longer",
+    ),
+    "a duplicate name": (
+        _record(_header(tensors=[["w", "float32", False, False, [4], 0]] * 2, ints=0)),
+        "tensor name",
+    ),
+    "a flag not a bool": (
+        _record(_header(tensors=[["w", "float32", 0, False, [4], 1]]), GOOD_INTS),
+        "flags",
+    ),
+    "a path element not plain": (
+        _record(_header(planner_data=[["w", [{"__reduce__": "os.system"}]]]), GOOD_INTS),
+        "planner_data",
+    ),
+    "storage meta with extras": (
+        _record(
+            _header(
+                storage_meta={
+                    "checkpoint_id": None,
+                    "save_id": None,
+                    "load_id": None,
+                    "modules": [],
+                    "x": 1,
+                }
+            ),
+            GOOD_INTS,
+        ),
+        "storage_meta",
+    ),
+    "a bytes value past its file": (
+        _record(_header(bytes=[["v", 0, 3, 0, 10]]), GOOD_INTS),
+        "bytes value 'v'",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CRAFTED))
+def test_a_crafted_record_is_refused_naming_the_file(name: str, tmp_path: Path) -> None:
+    data, why = CRAFTED[name]
+    with pytest.raises(CorruptCheckpointError, match=f"'{tmp_path}/rec'.*{why}"):
+        native_metadata.decode(data, f"{tmp_path}/rec")
+
+
+def test_a_record_never_runs_code(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    evil = pickle.dumps(Calls(os.system, shell(marker)))
+    for data in (
+        native_metadata.MAGIC + evil,  # a pickle behind the magic
+        _record(_header(dcp_version=evil.decode("latin-1")), GOOD_INTS),  # one in a string
+        _record(_header(planner_data=[["w", [f"__import__('os').system('touch {marker}')"]]])),
+    ):
+        try:
+            native_metadata.decode(data, "rec")
+        except CorruptCheckpointError:
+            pass
+    assert not marker.exists()
+
+
+def _peak(fn: Any) -> int:
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def _refused(data: bytes) -> None:
+    with pytest.raises(CorruptCheckpointError):
+        native_metadata.decode(data, "rec")
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"[" * 200_000 + b"]" * 200_000,  # deep: refused by counting, before parsing
+        b"[" * 20_000 + b" " * 200_000 + b"]" * 20_000,  # deep but sparse: the parser's limit
+        b"[" + b"[]," * 100_000 + b"[]]",  # wide: a list per 3 bytes
+        b"{" + b",".join(b'"%d":{}' % i for i in range(50_000)) + b"}",
+    ],
+    ids=["deep", "deep-sparse", "wide-lists", "wide-objects"],
+)
+def test_a_crafted_header_costs_memory_in_proportion_to_its_size(head: bytes) -> None:
+    data = _record(head)
+    peak = _peak(lambda: _refused(data))
+    assert peak <= 20 * len(data) + (1 << 20), (peak, len(data))
+
+
+def test_a_huge_declared_count_allocates_nothing() -> None:
+    data = _record(_header(tensors=[["w", "float32", False, False, [4], 10**12]], ints=10**12))
+    assert _peak(lambda: _refused(data)) < 1 << 20
+
+
+def _synthetic(tensors: int, chunks: int) -> Metadata:
+    """`tensors` tensors of `chunks` row chunks each, spread over 64 files."""
+    entries: dict[str, Any] = {}
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+    for t in range(tensors):
+        fqn = f"layers.{t}.weight"
+        entries[fqn] = TensorStorageMetadata(
+            TensorProperties(dtype=torch.bfloat16),
+            torch.Size([chunks * 8, 1024]),
+            [
+                ChunkStorageMetadata(torch.Size([c * 8, 0]), torch.Size([8, 1024]))
+                for c in range(chunks)
+            ],
+        )
+        for c in range(chunks):
+            storage[MetadataIndex(fqn, [c * 8, 0], c)] = _StorageInfo(
+                f"__{c % 64}_0.distcp", t * 16_384, 16_384
+            )
+    return Metadata(entries, planner_data={k: (k,) for k in entries}, storage_data=storage)
+
+
+def test_a_large_record_round_trips_within_its_memory_bound() -> None:
+    md = _synthetic(tensors=5, chunks=1_000)  # 5,000 chunks
+    data = native_metadata.encode(md)
+    assert data is not None
+    decoded: list[Metadata] = []
+    peak = _peak(lambda: decoded.append(native_metadata.decode(data, "big")))
+    assert decoded[0] == md and decoded[0].storage_data == md.storage_data
+    assert peak <= 20 * len(data), (peak, len(data))
+
+
+def test_metadata_it_cannot_describe_is_left_to_dcp_metadata() -> None:
+    md = _synthetic(tensors=1, chunks=2)
+    key = next(iter(md.storage_data))
+    md.storage_data[key] = _StorageInfo("__0_0.distcp", 0, 1, transform_descriptors=["zstd"])
+    assert native_metadata.encode(md) is None
+    md = _synthetic(tensors=1, chunks=2)
+    md.storage_data.pop(key)  # a chunk without its stored piece
+    assert native_metadata.encode(md) is None
