@@ -19,6 +19,7 @@ import torch
 from support import SUPPORT
 from support.models import TinyNet, make_module
 from support.multiproc import run_ranks
+from torch.distributed.checkpoint import FileSystemReader
 
 from trainckpt import Checkpointer, CheckpointerConfig
 from trainckpt.format.folder import scan_folder
@@ -412,7 +413,13 @@ def test_export_refuses_to_overwrite_and_non_tensors_in_safetensors(
 def test_export_of_damaged_checkpoints_fails_in_one_line(run_folder: Path, tmp_path: Path):
     """A truncated shard is named from the manifest; without a manifest to check against, by
     the reader (its item record is gone): one line each time, never a traceback."""
-    shard = next((run_folder / "step300" / "model_and_optim").glob("*.distcp"))
+    dcp_dir = run_folder / "step300" / "model_and_optim"
+    # A shard that holds model weights (export reads only those; incremental saves keep the
+    # frozen, the changing and the optimizer's items in files of their own).
+    storage = FileSystemReader(str(dcp_dir)).read_metadata().storage_data
+    shard = dcp_dir / next(
+        i.relative_path for k, i in storage.items() if k.fqn.startswith("model.")
+    )
     with open(shard, "r+b") as f:
         f.truncate(100)
     out = tmp_path / "model.safetensors"
