@@ -22,8 +22,18 @@ LAYERS: list[tuple[str, ...]] = [
     ("format",),
     ("core",),
     ("local",),  # the node-local tier, on top of the commit machinery
-    ("retention",),
-    ("checkpointer", "manager", "checkpointing", "train_module", "model_states"),
+    ("retention", "config"),  # config: the Checkpointer's settings, below it
+    (
+        "checkpointer",
+        "saving",  # the Checkpointer's mix-ins: save path, save thread, rollback, finders
+        "background_saves",
+        "rollback",
+        "finders",
+        "manager",
+        "checkpointing",
+        "train_module",
+        "model_states",
+    ),
     ("cli", "integrations", "olmo", "__main__"),  # olmo: a deprecated alias of integrations
     ("",),  # the package root
 ]
