@@ -22,14 +22,16 @@ LAYERS: list[tuple[str, ...]] = [
     ("format",),
     ("core",),
     ("local",),  # the node-local tier, on top of the commit machinery
-    ("retention", "config"),  # config: the Checkpointer's settings, below it
+    ("retention",),
     (
         "checkpointer",
+        "config",
         "saving",  # the Checkpointer's mix-ins: save path, save thread, rollback, finders
         "background_saves",
         "rollback",
         "finders",
         "manager",
+        "save_events",  # the checkpoint events the manager logs
         "checkpointing",
         "train_module",
         "model_states",
