@@ -163,7 +163,7 @@ class Checkpointer(Saving, CheckpointFinders):
                 raise _unknown_attribute(self, name)
             super().__setattr__(name, value)
 
-    # -- saving ---------------------------------------------------------------------------------
+    # -- closing (saving: `saving.py`; the save thread: `background_saves.py`) ---------------
     def close(self) -> None:
         """Wait for the in-flight save, raise its error if it failed, and stop the worker."""
         try:
@@ -274,8 +274,6 @@ class Checkpointer(Saving, CheckpointFinders):
     def load_latest_local(self, train_module: TrainModule) -> tuple[int, dict[str, Any]] | None:
         """Alias of `local.load_latest`."""
         return self.local.load_latest(train_module)
-
-    # -- finding --------------------------------------------------------------------------------
 
 
 _DECLARED = frozenset(f.name for f in dataclasses.fields(Checkpointer))
