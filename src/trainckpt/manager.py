@@ -19,7 +19,6 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,9 +28,10 @@ from trainckpt.checkpointer import Checkpointer
 from trainckpt.core import dist
 from trainckpt.errors import CheckpointError, ConfigurationError, CorruptCheckpointError
 from trainckpt.format import layout
-from trainckpt.format.folder import abandon_newer, checkpoint_size, find_checkpoints
+from trainckpt.format.folder import abandon_newer, find_checkpoints
 from trainckpt.retention.policy import CheckpointPolicy, SaveKind
 from trainckpt.retention.remover import Remover
+from trainckpt.save_events import SaveEvent, log_committed, on_done
 from trainckpt.storage import resolve
 from trainckpt.train_module import TrainModule
 
@@ -42,16 +42,6 @@ log = logging.getLogger(__name__)
 
 TrainState = dict[str, Any] | Callable[[], dict[str, Any]]
 """Trainer state, or a function building it (called only when a checkpoint is saved)."""
-
-
-@dataclass
-class _Save:
-    step: int
-    path: str
-    kind: SaveKind
-    started: float
-    ended: float | None = None
-    """When the save ended (set on the save thread), for the commit event's seconds and MB/s."""
 
 
 class CheckpointManager:
@@ -92,7 +82,7 @@ class CheckpointManager:
         resumed from once `start_from` ran: a save of one of them is only waited for."""
         self._last_saved: int | None = None
         self._started = False
-        self._pending: _Save | None = None
+        self._pending: SaveEvent | None = None
         self._in_flight: Future[str] | None = None
         self._remover = (
             Remover(self.save_folder, policy) if dist.get_rank(self._group) == 0 else None
@@ -313,7 +303,7 @@ class CheckpointManager:
         storage, folder = resolve(self.save_folder)
         path = storage.join(folder, layout.checkpoint_dirname(step, self.naming))
         ephemeral = kind is SaveKind.EPHEMERAL
-        save = _Save(step, path, kind, time.perf_counter())
+        save = SaveEvent(step, path, kind, time.perf_counter())
         if save_async:
             future = self.checkpointer.save_async(
                 path,
@@ -330,7 +320,7 @@ class CheckpointManager:
             )
             self._pending = save
             self._in_flight = future
-            future.add_done_callback(lambda f: _on_done(save, f))
+            future.add_done_callback(lambda f: on_done(save, f))
             self._after_commit(save, future)
         else:
             self.checkpointer.save(path, train_module, state, ephemeral=ephemeral)
@@ -343,7 +333,7 @@ class CheckpointManager:
     def _save_local(self, step: int, train_module: TrainModule, state: dict[str, Any]) -> str:
         """Start a save of `step` to the node-local tier (always in the background); it is not
         a save-folder checkpoint, so retention and the step bookkeeping ignore it."""
-        save = _Save(step, "", SaveKind.LOCAL, time.perf_counter())
+        save = SaveEvent(step, "", SaveKind.LOCAL, time.perf_counter())
         future = self.checkpointer.save_local(step, train_module, state)
         save.path = str(Path(str(self.checkpointer.local_dir)) / f"step{step}")
         log.info(
@@ -353,7 +343,7 @@ class CheckpointManager:
         )
         self._pending = save
         self._in_flight = future
-        future.add_done_callback(lambda f: _on_done(save, f))
+        future.add_done_callback(lambda f: on_done(save, f))
         return save.path
 
     def _collect_pending(self) -> None:
@@ -370,29 +360,16 @@ class CheckpointManager:
                 f"'{self.save_folder}' are kept. Fix the cause, then resume from the latest one"
             ) from e
 
-    def _after_commit(self, save: _Save, future: Future[str] | None) -> None:
+    def _after_commit(self, save: SaveEvent, future: Future[str] | None) -> None:
         """Rank 0: once `save` is committed (`future` resolved, when async), log it and delete
         what the policy drops, on the retention thread. Queued now, so `finish()` waits for it."""
         if self._remover is None:
             return
 
         def log_commit() -> None:
-            _log_committed(save, (save.ended or time.perf_counter()) - save.started)
+            log_committed(save, (save.ended or time.perf_counter()) - save.started)
 
         self._remover.submit(before=log_commit, after=future)
-
-
-def _on_done(save: _Save, future: Future[str]) -> None:
-    """Runs on the save thread when an async save ends: note the time; log a failure now."""
-    save.ended = time.perf_counter()
-    error = future.exception()
-    if error is not None:
-        log.error(
-            "checkpoint event: %s checkpoint '%s' failed (%s); earlier checkpoints are kept",
-            save.kind.value,
-            save.path,
-            error,
-        )
 
 
 def _committed_steps(folder: str) -> dict[int, str]:
@@ -401,15 +378,3 @@ def _committed_steps(folder: str) -> dict[int, str]:
         return dict(find_checkpoints(*resolve(folder)))
     except FileNotFoundError:
         return {}
-
-
-def _log_committed(save: _Save, seconds: float) -> None:
-    size = checkpoint_size(*resolve(save.path))
-    rate = f", {size / 1e6:.1f} MB, {size / 1e6 / max(seconds, 1e-9):.1f} MB/s" if size else ""
-    log.info(
-        "checkpoint event: committed %s '%s' in %.2fs%s",
-        save.kind.value,
-        save.path,
-        seconds,
-        rate,
-    )

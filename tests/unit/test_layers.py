@@ -23,7 +23,19 @@ LAYERS: list[tuple[str, ...]] = [
     ("core",),
     ("local",),  # the node-local tier, on top of the commit machinery
     ("retention",),
-    ("checkpointer", "manager", "checkpointing", "train_module", "model_states"),
+    (
+        "checkpointer",
+        "config",
+        "saving",  # the Checkpointer's mix-ins: save path, save thread, rollback, finders
+        "background_saves",
+        "rollback",
+        "finders",
+        "manager",
+        "save_events",  # the checkpoint events the manager logs
+        "checkpointing",
+        "train_module",
+        "model_states",
+    ),
     ("cli", "integrations", "olmo", "__main__"),  # olmo: a deprecated alias of integrations
     ("",),  # the package root
 ]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from trainckpt import Checkpointer, CheckpointerConfig, ConfigurationError
-from trainckpt.checkpointer import _Setting
+from trainckpt.config import Setting
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,9 +76,9 @@ def test_a_misspelt_setting_is_refused_at_run_time(ckpt: Checkpointer) -> None:
 
 
 def test_the_typed_attributes_are_the_configs_fields() -> None:
-    """Each setting of `CheckpointerConfig` is a `_Setting` of `Checkpointer` of the same type
+    """Each setting of `CheckpointerConfig` is a `Setting` of `Checkpointer` of the same type
     (None left out of the two that `with_defaults` always fills in)."""
-    settings = {k: v for k, v in vars(Checkpointer).items() if isinstance(v, _Setting)}
+    settings = {k: v for k, v in vars(Checkpointer).items() if isinstance(v, Setting)}
     assert list(settings) == list(CheckpointerConfig.model_fields)
     filled = {"work_dir", "save_overwrite"}
     for name, info in CheckpointerConfig.model_fields.items():
