@@ -34,7 +34,7 @@ from trainckpt.storage.urls import check_location, is_remote
 from trainckpt.version import __version__
 
 if TYPE_CHECKING:
-    from trainckpt.format.folder import FolderEntry
+    from trainckpt.format.folder_scan import FolderEntry
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_UNUSABLE = 0, 1, 2
 EXIT_PIPE_CLOSED = 141
@@ -51,7 +51,7 @@ job's `retry_deadline` defaults to 300)."""
 def cmd_ls(args: argparse.Namespace) -> int:
     from trainckpt.cli.output import table
     from trainckpt.format import folder
-    from trainckpt.format.folder import scan_folder
+    from trainckpt.format.folder_scan import scan_folder
     from trainckpt.storage import resolve
 
     storage, path = resolve(args.folder)
@@ -175,7 +175,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_prune(args: argparse.Namespace) -> int:
     from trainckpt.cli.output import human_size
-    from trainckpt.format.folder import scan_folder
+    from trainckpt.format.folder_scan import scan_folder
     from trainckpt.retention.prune import apply_prune, plan_prune
     from trainckpt.storage import resolve
 
