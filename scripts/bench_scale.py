@@ -327,7 +327,7 @@ def bench_ranks(rank_counts: list[int], tensors: int) -> dict[str, Any]:
     """Time and peak memory of each per-rank and rank-0 function, per simulated rank count."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    from trainckpt.core.commit import _check_complete
+    from trainckpt.core.commit_steps import check_complete
     from trainckpt.format import native_metadata
     from trainckpt.format.records import CheckpointManifest
     from trainckpt.format.safe_unpickle import load_dcp_metadata
@@ -361,7 +361,7 @@ def bench_ranks(rank_counts: list[int], tensors: int) -> dict[str, Any]:
             parts: list[Any] = parts, listing: _Listing = listing, ranks: int = ranks
         ) -> None:
             m = CheckpointManifest.merge(parts, step=1, world_size=ranks)
-            _check_complete(listing, "ckpt", m)  # type: ignore[arg-type]
+            check_complete(listing, "ckpt", m)  # type: ignore[arg-type]
 
         row["rank 0: manifest"] = _measure(manifest)
         row["rank 0: commit file check"] = _measure(file_check)

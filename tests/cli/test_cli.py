@@ -22,7 +22,7 @@ from support.multiproc import run_ranks
 from torch.distributed.checkpoint import FileSystemReader
 
 from trainckpt import Checkpointer, CheckpointerConfig
-from trainckpt.format.folder import scan_folder
+from trainckpt.format.folder_scan import scan_folder
 from trainckpt.storage import resolve
 
 TRAINCKPT = Path(sys.executable).with_name("trainckpt")

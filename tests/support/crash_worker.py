@@ -267,7 +267,7 @@ def delete_loop(
     on `results`."""
     from trainckpt import CheckpointPolicy
     from trainckpt.errors import CheckpointNotFoundError
-    from trainckpt.format.folder import scan_folder
+    from trainckpt.format.folder_scan import scan_folder
     from trainckpt.retention.prune import apply_prune, plan_prune
     from trainckpt.retention.remover import Remover
     from trainckpt.storage import resolve

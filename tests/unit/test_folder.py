@@ -25,7 +25,7 @@ from trainckpt import (
     CheckpointPolicy,
     ConfigurationError,
 )
-from trainckpt.format import folder, layout
+from trainckpt.format import folder, folder_scan, layout
 from trainckpt.format.records import MAX_METADATA_BYTES, read_manifest
 from trainckpt.retention.remover import Remover
 from trainckpt.storage import LocalStorage, Storage, resolve
@@ -101,7 +101,7 @@ def test_every_view_agrees_on_every_kind_of_step_folder(root: str, template: Fil
     storage, path = resolve(root)
     expected = populate(storage, path, template)
 
-    entries = folder.scan_folder(storage, path)
+    entries = folder_scan.scan_folder(storage, path)
     assert {e.name: e.state for e in entries} == expected
     steps = {n: step for n in expected if (step := layout.parse_step(layout.target_name(n)))}
     assert [e.name for e in entries] == sorted(expected, key=lambda n: (steps[n], n))
@@ -143,7 +143,7 @@ def test_retention_keeps_damaged_and_foreign_folders(root: str, template: Files)
     # step1 and step-8 are older than the newest permanent (step10); the leftovers older than
     # it go. Damaged step3-5 and torchtitan's step-7 are never touched.
     assert deleted == ["step-8", "step-8-tmp", "step1", "step2", "step6-tmp"]
-    left = {e.name: e.state for e in folder.scan_folder(storage, path)}
+    left = {e.name: e.state for e in folder_scan.scan_folder(storage, path)}
     assert left == {
         "step3": "damaged",
         "step4": "damaged",
@@ -181,7 +181,7 @@ def test_missing_records_and_a_missing_folder(tmp_path: Path, template: Files):
     storage, path = resolve(str(tmp_path / "run"))
     assert folder.step_states(storage, path) == []  # retention: a missing folder holds nothing
     with pytest.raises(CheckpointNotFoundError):
-        folder.scan_folder(storage, path)
+        folder_scan.scan_folder(storage, path)
     with pytest.raises(CheckpointNotFoundError):
         folder.latest_checkpoint(storage, path)
     put(storage, path, "step2", without(template, layout.METADATA_FILE))
@@ -212,7 +212,7 @@ def test_symlinked_step_folders_out_of_the_save_folder(tmp_path: Path, template:
         (Path(path) / name).symlink_to(outside / "step9", target_is_directory=True)
     before = snapshot(outside)
 
-    assert [e.name for e in folder.scan_folder(storage, path)] == ["step1"]
+    assert [e.name for e in folder_scan.scan_folder(storage, path)] == ["step1"]
     assert [f.name for f, _, _ in folder.step_states(storage, path)] == ["step1"]
     assert [s for s, _ in folder.find_checkpoints(storage, path)] == [1]
     remover = Remover(path, CheckpointPolicy(max_checkpoints=1, remove="all_non_permanent"))
@@ -247,7 +247,7 @@ def test_a_deletion_killed_midway_leaves_no_torn_checkpoint(root: str, template:
     assert died.returncode == -9, died.stderr
     left = storage.list_files(step2)
     assert set(left) == set(template) - {layout.METADATA_FILE}  # every data file, no record
-    assert {e.name: e.state for e in folder.scan_folder(storage, path)} == {
+    assert {e.name: e.state for e in folder_scan.scan_folder(storage, path)} == {
         "step1": "committed",
         "step2": "uncommitted",
     }
@@ -255,13 +255,13 @@ def test_a_deletion_killed_midway_leaves_no_torn_checkpoint(root: str, template:
     assert [s for s, _ in folder.find_checkpoints(storage, path)] == [1]
 
     folder.delete_step_folder(storage, step2)  # a rerun finishes the deletion
-    assert [e.name for e in folder.scan_folder(storage, path)] == ["step1"]
+    assert [e.name for e in folder_scan.scan_folder(storage, path)] == ["step1"]
 
 
 FINDERS: dict[str, Callable[[Storage, str], object]] = {
     "find_checkpoints": lambda s, p: list(folder.find_checkpoints(s, p)),
     "latest_checkpoint": folder.latest_checkpoint,
-    "scan_folder": folder.scan_folder,
+    "scan_folder": folder_scan.scan_folder,
 }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from trainckpt.errors import CheckpointNotFoundError, ConfigurationError
-from trainckpt.format.folder import FolderEntry
+from trainckpt.format.folder_scan import FolderEntry
 from trainckpt.retention.prune import plan_prune
 
 

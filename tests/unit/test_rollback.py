@@ -223,7 +223,7 @@ def test_object_store_copy_aside_outlives_a_failed_replacement_and_prune_clears_
     from trainckpt import CheckpointerConfig
     from trainckpt.core import claim as claims
     from trainckpt.core.commit import delete_leftover
-    from trainckpt.format.folder import scan_folder
+    from trainckpt.format.folder_scan import scan_folder
     from trainckpt.retention.prune import apply_prune, plan_prune
     from trainckpt.storage import resolve
     from trainckpt.testing.faults import on_fault_point

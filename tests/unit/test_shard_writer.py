@@ -18,7 +18,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from trainckpt import CheckpointerConfig
 from trainckpt.core.dcp import save_state
-from trainckpt.format import shard_writer
+from trainckpt.format import shard_writer, tensor_item
 from trainckpt.format.layout import DCP_METADATA_FILE, NATIVE_METADATA_FILE
 from trainckpt.storage.checksums import crc32c_file
 
@@ -146,11 +146,11 @@ def test_tensors_of_one_kind_are_serialized_once_and_written_as_torch_save_would
     goes through torch.save's serializer; the others are written from its head and tail, and
     every item still has exactly torch.save's bytes (zip CRC32 off)."""
     serialized: list[torch.Tensor] = []
-    real = shard_writer._save_item
+    real = tensor_item.save_item
     monkeypatch.setattr(
-        shard_writer, "_save_item", lambda t, out: (serialized.append(t), real(t, out))
+        tensor_item, "save_item", lambda t, out: (serialized.append(t), real(t, out))
     )
-    monkeypatch.setattr(shard_writer, "_TEMPLATES", shard_writer._ItemTemplates())
+    monkeypatch.setattr(tensor_item, "_TEMPLATES", tensor_item.ItemTemplates())
     kinds = [
         lambda: torch.randn(16, 16),
         lambda: torch.randn(16, 16).t().contiguous().t(),  # other strides, same shape

@@ -20,7 +20,7 @@ from trainckpt import (
     CheckpointPolicy,
     ModelAndStates,
 )
-from trainckpt.format.folder import scan_folder
+from trainckpt.format.folder_scan import scan_folder
 from trainckpt.format.torchtitan_layout import dcp_problems, torchtitan_checkpoints
 from trainckpt.retention.prune import plan_prune
 from trainckpt.storage import resolve

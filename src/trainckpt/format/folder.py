@@ -11,7 +11,8 @@ damaged manifest fails verification (so `load` refuses it, `find_latest_good` sk
 to delete.
 
 Everything that reads a save folder goes through here: the finders, `Checkpointer`'s finding
-classmethods, retention, `prune`, `trainckpt ls` and `find_latest_good` (`verify.newest_good`).
+classmethods, retention, `find_latest_good` (`verify.newest_good`), and the full scan of
+`trainckpt ls` and `prune` (`folder_scan.py`).
 Records are read through `records.py`'s size-bounded readers, each once per scan. Pure reads
 through the `Storage` interface (local paths and URLs alike), no process group; called on any
 one process.
@@ -22,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from trainckpt.errors import (
     CheckpointError,
@@ -289,91 +290,6 @@ def require_folder(storage: Storage, path: str) -> None:
             f"'{path}' does not exist or is empty: check the path, or use "
             "Checkpointer.latest_checkpoint(folder) to find a checkpoint"
         )
-
-
-# -- the full scan (`trainckpt ls`, `prune`) -------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FolderEntry:
-    """One step folder of a save folder, as `trainckpt ls` shows it and `prune` decides on."""
-
-    name: str
-    path: str
-    step: int
-    state: State
-    ephemeral: bool | None
-    """From the commit record; None when not committed or the record cannot be read."""
-    size: int
-    """Bytes of every file the folder holds now (listed), records included."""
-    files: int
-    created_at: str | None
-    """From the manifest (UTC ISO-8601); None without one."""
-    world_size: int | None
-    note: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "path": self.path,
-            "step": self.step,
-            "state": self.state,
-            "ephemeral": self.ephemeral,
-            "size": self.size,
-            "files": self.files,
-            "created_at": self.created_at,
-            "world_size": self.world_size,
-            "note": self.note,
-        }
-
-
-def scan_folder(storage: Storage, path: str) -> list[FolderEntry]:
-    """Every step folder of ours under `path` (committed or not, `-tmp` ones too), by step then
-    name. One listing of the folder, one listing per step folder, and a read of each commit
-    record and manifest there is. A missing folder raises `FileNotFoundError`."""
-    entries = []
-    for f in step_folders(storage, path, tmp=True):
-        try:
-            entry = _describe(storage, f)
-        except CheckpointNotFoundError:  # gone since the listing (a save renamed its -tmp)
-            continue
-        if entry is not None:
-            entries.append(entry)
-    return entries
-
-
-def _describe(storage: Storage, folder: StepFolder) -> FolderEntry | None:
-    files = storage.list_files(folder.path)
-    committed = layout.METADATA_FILE in files
-    abandoned = layout.ABANDONED_FILE in files
-    if not folder.ours(committed, abandoned):
-        return None
-    records = read_records(storage, folder.path, listed=files)
-    state = state_of(folder, committed, records, abandoned)
-    assert state is not None
-    notes = list(records.problems)
-    if abandoned and folder.tmp:
-        notes.append("the old folder of the step, set aside by a save that replaces it")
-    elif abandoned and not committed:
-        notes.append("abandoned: a run resumed from an older step; its next save replaces it")
-    if committed and layout.MANIFEST_FILE not in files:
-        notes.append("no manifest (unverifiable)")
-    if layout.CLAIM_FILE in files and not committed:
-        notes.append("claimed: a save in progress, or a crashed one the next save takes over")
-    manifest = records.manifest
-    ranks = sum(1 for rel in files if layout.parse_trainer_state_file(rel) is not None)
-    return FolderEntry(
-        name=folder.name,
-        path=folder.path,
-        step=folder.step,
-        state=state,
-        ephemeral=records.metadata.ephemeral if records.metadata else None,
-        size=sum(files.values()),
-        files=len(files),
-        created_at=manifest.created_at if manifest else None,
-        world_size=manifest.world_size if manifest else ranks or None,
-        note="; ".join(notes),
-    )
 
 
 # -- rolling back (docs/design.md §11) ------------------------------------------------------

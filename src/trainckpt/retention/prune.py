@@ -1,6 +1,6 @@
 """`trainckpt prune`: which step folders of a save folder to delete, and deleting them safely.
 
-`plan_prune` is pure (folder entries of `format.folder.scan_folder` in, decisions out) so the
+`plan_prune` is pure (folder entries of `format.folder_scan.scan_folder` in, decisions out) so the
 rules can be read and tested without a disk; `apply_prune` deletes through
 `commit.delete_checkpoint`, which removes the commit record first, so an interrupted prune leaves
 uncommitted folders that no finder reports, never a torn checkpoint that looks good.
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from trainckpt.core.commit import delete_checkpoint, delete_leftover
 from trainckpt.errors import CheckpointNotFoundError, ConcurrentSaveError, ConfigurationError
-from trainckpt.format.folder import FolderEntry
+from trainckpt.format.folder_scan import FolderEntry
 from trainckpt.storage import resolve
 
 

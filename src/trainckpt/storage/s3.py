@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
-import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -31,19 +30,17 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from trainckpt.errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
 from trainckpt.storage.base import Listing, StorageOptions, Versioned
 from trainckpt.storage.remote import RemoteStorage
+from trainckpt.storage.s3_client import endpoint_from_env, new_client
 from trainckpt.storage.s3_errors import RangeNotSatisfiable, call_with_retries
+from trainckpt.storage.s3_multipart import MAX_PARTS, send_multipart
 
 if TYPE_CHECKING:
     from botocore.client import BaseClient
-
-log = logging.getLogger(__name__)
 
 SCHEME = "s3://"
 MiB = 1024 * 1024
 DELETE_BATCH = 1000
 """Most keys one `DeleteObjects` request may name (an S3 limit)."""
-MAX_PARTS = 10_000
-"""Most parts one multipart upload may have (an S3 limit)."""
 MIN_PART_SIZE = 5 * MiB
 """Smallest part but the last that S3 accepts."""
 MAX_COPY_SIZE = 5 * 1024 * MiB
@@ -91,14 +88,14 @@ class S3Storage(RemoteStorage):
 
     @classmethod
     def endpoint(cls) -> str | None:
-        return _endpoint_from_env()
+        return endpoint_from_env()
 
     @property
     def client(self) -> BaseClient:
         """The boto3 client, created on first use (boto3 clients are thread-safe)."""
         with self._client_lock:
             if self._client is None:
-                self._client = _new_client(self.options)
+                self._client = new_client(self.options)
             return self._client
 
     def _folder_prefix(self, location: str) -> str:
@@ -285,42 +282,23 @@ class S3Storage(RemoteStorage):
         send_part: Callable[[str, str, str, int, int], Any],
         create_extra: dict[str, Any],
     ) -> None:
-        """Create, send parts in parallel (`send_part(bucket, key, upload_id, number,
-        part_size)` sends one), complete (create-only unless `overwrite`); abort on any failure
-        so no invisible parts are left to pay for."""
+        """A multipart upload to `location` in parts of `part_size` (raised to stay within
+        S3's 10,000 parts), `send_multipart`."""
         bucket, key = self._object(location)
         part_size = max(self.part_size, -(-size // MAX_PARTS))
-        create: dict[str, Any] = {"Bucket": bucket, "Key": key, **create_extra}
-        upload_id = self._call(
-            "writing", location, lambda: self.client.create_multipart_upload(**create)
-        )["UploadId"]
-        parts: list[dict[str, Any]] = [{} for _ in range(max(1, -(-size // part_size)))]
-
-        def send(number: int) -> None:
-            answer = self._call(
-                "writing", location, lambda: send_part(bucket, key, upload_id, number, part_size)
-            )
-            answer = answer.get("CopyPartResult", answer)
-            part = {"PartNumber": number, "ETag": answer["ETag"]}
-            if "ChecksumCRC32" in answer:
-                part["ChecksumCRC32"] = answer["ChecksumCRC32"]
-            parts[number - 1] = part
-
-        complete: dict[str, Any] = {"Bucket": bucket, "Key": key, "UploadId": upload_id}
-        if not overwrite:
-            complete["IfNoneMatch"] = "*"
-        try:
-            self._in_parallel(send, list(range(1, len(parts) + 1)))
-            self._call(
-                "writing",
-                location,
-                lambda: self.client.complete_multipart_upload(
-                    MultipartUpload={"Parts": parts}, **complete
-                ),
-            )
-        except BaseException:
-            self._abort(bucket, key, upload_id, location)
-            raise
+        send_multipart(
+            self.client,
+            self._call,
+            self._in_parallel,
+            location=location,
+            bucket=bucket,
+            key=key,
+            size=size,
+            part_size=part_size,
+            overwrite=overwrite,
+            send_part=send_part,
+            create_extra=create_extra,
+        )
 
     def copy_file(self, src: str, dst: str) -> None:
         """A server-side copy: one `CopyObject` below `copy_threshold` bytes, else a multipart
@@ -371,18 +349,6 @@ class S3Storage(RemoteStorage):
                 f"cannot copy '{src}' to '{dst}': the target exists; remove it first"
             ) from None
 
-    def _abort(self, bucket: str, key: str, upload_id: str, location: str) -> None:
-        try:
-            self._call(
-                "aborting the upload of",
-                location,
-                lambda: self.client.abort_multipart_upload(
-                    Bucket=bucket, Key=key, UploadId=upload_id
-                ),
-            )
-        except Exception as e:  # the original error matters more; this one is logged
-            log.warning("could not abort the multipart upload of '%s': %s", location, e)
-
     def delete_files(self, locations: Iterable[str]) -> None:
         by_bucket: dict[str, list[str]] = {}
         for location in locations:
@@ -428,30 +394,3 @@ def _md5(source: bytes | Path) -> str:
         while chunk := f.read(8 * MiB):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def _endpoint_from_env() -> str | None:
-    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-
-
-def _new_client(options: StorageOptions) -> BaseClient:
-    """A client from boto3's standard configuration, with our retry loop instead of its own."""
-    import boto3
-    import botocore
-    from botocore.config import Config
-
-    session = boto3.session.Session()
-    config = Config(
-        retries={"total_max_attempts": 1},  # `S3Storage._call` retries, bounded by the deadline
-        connect_timeout=min(10.0, options.retry_deadline),
-        read_timeout=60.0,
-        max_pool_connections=max(10, options.thread_count + 2),
-        user_agent_extra="trainckpt",
-    )
-    if session.get_credentials() is None:
-        log.warning(
-            "no AWS credentials found; sending unsigned requests (public buckets only). Set "
-            "AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
-        )
-        config = config.merge(Config(signature_version=botocore.UNSIGNED))
-    return session.client("s3", config=config)

@@ -37,7 +37,7 @@ LOCAL_POINTS = (  # the node-local tier (local/tier.py)
 """Points of the node-local tier's save and restore (`local-cleanup`: only when a step is
 deleted; `local-restore-checked`: in restores)."""
 
-REPLACE_POINTS = (  # only saves that replace an old folder of their step (core/commit.py)
+REPLACE_POINTS = (  # only saves that replace an old folder of their step (core/commit_*.py)
     "replacing",  # rank 0, the old folder moved aside to `<dir>-replaced`, the new not in place
     # (filesystems: `-tmp` not renamed; object stores: the old objects copied aside and
     # deleted from `<dir>`, nothing of the new uploaded)

@@ -1,0 +1,142 @@
+"""One tensor item of a shard file, as `torch.save` writes it minus the zip CRC32.
+
+`save_item` serializes one tensor through `torch.save`'s own serializer with the CRC32 off;
+`ItemTemplates` keeps the fixed head and tail of each kind of tensor seen, so the next tensors
+of that kind are written as head + bytes + tail without serializing. Split from
+`shard_writer.py` (which writes whole files): this is the byte-exact part, compared with
+`torch.save`'s bytes by `tests/unit/test_shard_writer.py`. Called on: a writer thread of any
+rank, or the writer process (`write_tensor`)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import pickle
+from typing import IO, cast
+
+import torch
+from torch.serialization import DEFAULT_PROTOCOL, _get_storage_alignment, _save
+
+from trainckpt.storage.checksummed_file import ChecksummedWriter
+
+
+def write_tensor(tensor: torch.Tensor, out: ChecksummedWriter) -> None:
+    """Write `tensor` as `save_item` would, from the process's templates when its kind
+    allows one."""
+    _TEMPLATES.write(tensor, out)
+
+
+def save_item(tensor: torch.Tensor, out: ChecksummedWriter) -> None:
+    """`torch.save(tensor, out)` without the zip CRC32, the same bytes as `torch.save` under
+    `set_crc32_options(False)`. That option is not a safe switch here: in torch 2.13 it is a
+    per-thread value (a ContextVar: set by the caller of a save, it never reaches the writer
+    threads), in earlier versions a process-global one (it would also drop the CRC32 of a
+    `torch.save` the trainer runs meanwhile). So the zip writer is opened here, per call, with
+    the CRC32 off, and `torch.save`'s own serializer writes into it: no shared state at all
+    (private functions of torch.serialization; torch is pinned and
+    `tests/test_shard_writer.py` compares the bytes with `torch.save`'s)."""
+    writer = torch._C.PyTorchFileWriter(cast(IO[bytes], out), False, _get_storage_alignment())
+    try:
+        _save(tensor, writer, pickle, DEFAULT_PROTOCOL, False)
+    except BaseException:
+        # Finalize even after a failed write (as torch.save's own opener does): a zip writer
+        # left open finalizes in its C++ destructor when it is garbage-collected, and a write
+        # that fails there throws out of a destructor, which aborts the whole process.
+        with contextlib.suppress(Exception):
+            writer.write_end_of_file()
+        raise
+    writer.write_end_of_file()
+
+
+_Kind = tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int, int]
+
+
+class ItemTemplates:
+    """`torch.save`'s bytes for a CPU tensor (minus the zip CRC32: `save_item`) are a head,
+    the bytes of its storage, and a tail, where head and tail depend only on the tensor's
+    kind: dtype, shape, strides, storage offset and storage size (the pickle records these,
+    the zip directory the sizes; the serialization id is fixed per process). This keeps the
+    head and tail of each kind seen, learned from one real `save_item`, and writes the next
+    tensors of that kind as head + bytes + tail. `tests/unit/test_shard_writer.py` compares
+    the bytes with `torch.save`'s. Thread-safe (a race only learns a kind twice); at most
+    `LIMIT` kinds are kept (then it starts over)."""
+
+    LIMIT = 4096
+    SMALL = 1 << 20  # smaller items are joined into a single write
+
+    def __init__(self) -> None:
+        self._kinds: dict[_Kind, tuple[bytes, bytes]] = {}
+
+    def write(self, tensor: torch.Tensor, out: ChecksummedWriter) -> None:
+        """Write `tensor` as `save_item` would, from a template when its kind allows one."""
+        kind = _kind(tensor)
+        if kind is None:
+            save_item(tensor, out)
+            return
+        data = _storage_bytes(tensor)
+        known = self._kinds.get(kind)
+        if known is None:
+            buffer = io.BytesIO()
+            save_item(tensor, cast(ChecksummedWriter, buffer))
+            out.write(buffer.getbuffer())
+            learned = _split_item(buffer.getbuffer(), data)
+            if learned is not None:
+                if len(self._kinds) >= self.LIMIT:
+                    self._kinds.clear()
+                self._kinds[kind] = learned
+            return
+        head, tail = known
+        if len(data) < self.SMALL:
+            out.write(b"".join((head, data, tail)))
+        else:
+            out.write(head)
+            out.write(data)
+            out.write(tail)
+
+
+_TEMPLATES = ItemTemplates()
+
+
+def _kind(tensor: torch.Tensor) -> _Kind | None:
+    """What fixes a tensor's head and tail in `torch.save`'s bytes; None for a tensor that
+    always goes through the serializer (a subclass, not strided on the CPU, quantized,
+    conjugated or negated lazily, or empty)."""
+    if (
+        type(tensor) is not torch.Tensor
+        or not tensor.is_cpu
+        or tensor.layout != torch.strided
+        or tensor.is_quantized
+        or tensor.is_conj()
+        or tensor.is_neg()
+        or tensor.requires_grad
+    ):
+        return None
+    nbytes = tensor.untyped_storage().nbytes()
+    if nbytes == 0:
+        return None
+    return (
+        tensor.dtype,
+        tuple(tensor.shape),
+        tensor.stride(),
+        int(tensor.storage_offset()),
+        nbytes,
+    )
+
+
+def _storage_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of `tensor`'s whole storage, without a copy (what `torch.save` writes)."""
+    storage = tensor.untyped_storage()
+    flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+    return memoryview(flat.numpy())  # type: ignore[arg-type]
+
+
+def _split_item(item: memoryview, data: memoryview) -> tuple[bytes, bytes] | None:
+    """Head and tail of our own serialized `item` around its storage's bytes `data`, found
+    where `torch.load` finds them (the pickle read onto the meta device: no tensor data);
+    None if they are not there (then this kind is always serialized)."""
+    meta = torch.load(io.BytesIO(item), map_location="meta", weights_only=True)
+    start = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
+    n = len(data)
+    if not isinstance(start, int) or item[start : start + n] != data:
+        return None
+    return bytes(item[:start]), bytes(item[start + n :])
