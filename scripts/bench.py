@@ -280,7 +280,7 @@ def async_matches_sync(module: ModelAndOptim, ckpt: Checkpointer, root: Path) ->
 def _comparable(folder: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for rel, entry in json.loads((folder / ".manifest.json").read_text())["files"].items():
-        if rel.endswith("/.metadata"):
+        if rel.endswith(("/.metadata", "/.metadata.trainckpt")):  # both hold the save id
             continue
         if rel.endswith(".distcp"):
             with open(folder / rel, "rb") as f:

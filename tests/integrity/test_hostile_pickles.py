@@ -28,6 +28,7 @@ import pytest
 import torch
 from support.damage import (
     RunsCommand,
+    drop_native_metadata,
     read_manifest,
     split_item_record,
     write_item_record,
@@ -357,6 +358,8 @@ def _planted(base: Base, location: str, name: str) -> tuple[Path, Path]:
         else:
             (ckpt / rel).write_bytes(data)
             _rerecord(ckpt, rel)
+        if location != "trainer_state":  # loads then read `.metadata`, through the allow-list
+            drop_native_metadata(ckpt)
         _PLANTED[key] = ckpt
     ckpt = _PLANTED[key]
     return ckpt, ckpt.parent / "pwned"

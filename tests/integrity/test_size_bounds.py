@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support.damage import read_manifest, write_manifest
+from support.damage import read_manifest, unshare, write_manifest
 from support.models import fresh_module, make_module
 from support.peak_memory import run_measured
 
@@ -23,6 +23,7 @@ load's own work, nothing near the file's size."""
 
 
 def _grow_sparse(path: Path, size: int) -> None:
+    unshare(path)  # a file of its own: incremental saves link unchanged files
     with open(path, "r+b") as f:
         f.truncate(size)
 

@@ -25,8 +25,18 @@ def shards(ckpt: Path) -> list[Path]:
     return sorted((ckpt / "model_and_optim").glob("*.distcp"), key=lambda p: -p.stat().st_size)
 
 
+def unshare(path: Path) -> None:
+    """Give `path` a file of its own, so that damage to it stays in this one checkpoint: an
+    incremental save hard-links unchanged files into the next checkpoint (docs/incremental.md)."""
+    if path.stat().st_nlink > 1:
+        data = path.read_bytes()
+        path.unlink()
+        path.write_bytes(data)
+
+
 def flip_byte(path: Path, offset: int | None = None) -> None:
     """Invert one byte in the middle of `path` (the size stays the same)."""
+    unshare(path)
     data = bytearray(path.read_bytes())
     i = len(data) // 2 if offset is None else offset
     data[i] ^= 0xFF
@@ -34,8 +44,19 @@ def flip_byte(path: Path, offset: int | None = None) -> None:
 
 
 def truncate(path: Path, keep: int | None = None) -> None:
+    unshare(path)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2 if keep is None else keep])
+
+
+def drop_native_metadata(ckpt: Path) -> None:
+    """Remove trainckpt's own metadata record (and its manifest entry), as a careful attacker
+    who plants a `.metadata` does: loads then read `.metadata` through the safe unpickler."""
+    rel = "model_and_optim/.metadata.trainckpt"
+    (ckpt / rel).unlink()
+    manifest = read_manifest(ckpt)
+    manifest["files"].pop(rel)
+    write_manifest(ckpt, manifest)
 
 
 def split_item_record(shard: Path) -> tuple[bytes, dict]:

@@ -23,7 +23,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from trainckpt.cli.inspect import checkpoint_dcp_folder
 from trainckpt.core.dcp import load_full_state
 from trainckpt.errors import CheckpointExistsError, CheckpointNotFoundError, ConfigurationError
-from trainckpt.format.dcp_metadata import read_dcp_metadata
+from trainckpt.format.dcp_metadata import native_record_current, read_dcp_metadata
+from trainckpt.format.layout import MANIFEST_FILE
+from trainckpt.format.records import read_manifest
 from trainckpt.format.verify import Progress, verify_checkpoint
 from trainckpt.storage import resolve
 from trainckpt.storage.local import writing
@@ -92,7 +94,12 @@ def export_checkpoint(
     folder = checkpoint_dcp_folder(src_storage, src, command="export {} OUT")
     # sizes against the manifest (one listing): a truncated or missing shard is named up front
     verify_checkpoint(src_storage, src).raise_if_bad()
-    metadata = read_dcp_metadata(src_storage, folder)
+    manifest = None
+    if src_storage.exists(src_storage.join(src, MANIFEST_FILE)):
+        manifest = read_manifest(src_storage, src)
+    prefix = "" if folder == src else f"{src_storage.name(folder)}/"
+    native = native_record_current(src_storage, folder, manifest, prefix)
+    metadata = read_dcp_metadata(src_storage, folder, native=native)
     prefix = MODEL_PREFIX if model_only else ""
     if not any(k.startswith(prefix) for k in metadata.state_dict_metadata):
         raise CheckpointNotFoundError(

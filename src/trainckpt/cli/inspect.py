@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from trainckpt.cli.checks import require_one_checkpoint
 from trainckpt.errors import CheckpointNotFoundError
 from trainckpt.format import folder, layout
-from trainckpt.format.dcp_metadata import read_dcp_metadata
+from trainckpt.format.dcp_metadata import native_record_current, read_dcp_metadata
 from trainckpt.format.records import CheckpointManifest, CheckpointMetadata, read_manifest
 from trainckpt.format.trainer_state import (
     DEFAULT_MAX_BYTES,
@@ -124,7 +124,10 @@ def describe_checkpoint(ckpt: str) -> CheckpointReport:
         data = read_trainer_state(storage, where, DEFAULT_MAX_BYTES)
         state = deserialize_trainer_state(data, where)
         trainer_state = {str(k): describe_value(v) for k, v in state.items()}
-    dcp_md = read_dcp_metadata(storage, dcp_folder)
+    prefix = "" if dcp_folder == path else f"{storage.name(dcp_folder)}/"
+    dcp_md = read_dcp_metadata(
+        storage, dcp_folder, native=native_record_current(storage, dcp_folder, manifest, prefix)
+    )
     values = [_value_info(key, md) for key, md in dcp_md.state_dict_metadata.items()]
     return CheckpointReport(
         path=path,

@@ -109,12 +109,12 @@ def load_checkpoint(
     if load_optim_state is None and layout.parse_step(storage.name(path)) == 0:
         log.info("'%s' is a step-0 (seed) checkpoint: loading model weights only", path)
         load_optim_state = False
-    from trainckpt.format.dcp_metadata import (
-        read_dcp_metadata,  # imported on first use: slow to import
+    from trainckpt.format.dcp_metadata import (  # imported on first use: slow to import
+        native_record_current,
+        read_dcp_metadata,
     )
 
     md_prefix = "" if folder == path else f"{storage.name(folder)}/"
-    native_rel = f"{md_prefix}{layout.NATIVE_METADATA_FILE}"
     with paused_gc():  # one small object per chunk: see gc_pause
         metadata = read_dcp_metadata(  # refuses unsafe or misplaced metadata, direct API too
             storage,
@@ -122,8 +122,7 @@ def load_checkpoint(
             check=lambda name, data, at: check_loaded_file(
                 facts.manifest, f"{md_prefix}{name}", data, at
             ),
-            # trainckpt's own record, if the manifest (where there is one) vouches for it
-            native=facts.manifest is None or native_rel in facts.manifest.files,
+            native=native_record_current(storage, folder, facts.manifest, md_prefix),
         )
     if loads_directly(train_module):
         if reset_optimizer_states_on_load is None and trainer_state is not None:

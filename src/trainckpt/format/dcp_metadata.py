@@ -17,6 +17,7 @@ from trainckpt.format import native_metadata
 from trainckpt.format.layout import DCP_METADATA_FILE, NATIVE_METADATA_FILE
 from trainckpt.format.records import (
     DCP_METADATA_FLOOR_BYTES,
+    CheckpointManifest,
     dcp_metadata_bound,
     read_record_bytes,
 )
@@ -76,3 +77,24 @@ def _shard_bytes(storage: Storage, folder: str) -> int:
         log.info("cannot list '%s' (%s): its .metadata is bounded by the floor", folder, e)
         return 0
     return sum(size for rel, size in listing.items() if "/" not in rel and rel.endswith(".distcp"))
+
+
+def native_record_current(
+    storage: Storage, folder: str, manifest: CheckpointManifest | None, prefix: str
+) -> bool:
+    """Whether a load may read trainckpt's own metadata record instead of `.metadata`: only
+    when the manifest was read (not with `verify_on_load="none"`), lists the record, and
+    `.metadata` still has the size it records. Another writer that saved the step again in
+    place (torchtitan's own manager) rewrites `.metadata` and the shards but leaves our record,
+    which then describes files that are gone. `prefix`: the DCP folder's path in the
+    checkpoint ("" or "model_and_optim/"). Called on: every rank of a load, or one process
+    (one size query)."""
+    if manifest is None:
+        return False
+    entry = manifest.files.get(f"{prefix}{DCP_METADATA_FILE}")
+    if f"{prefix}{NATIVE_METADATA_FILE}" not in manifest.files or entry is None:
+        return False
+    try:
+        return storage.size(storage.join(folder, DCP_METADATA_FILE)) == entry.size
+    except FileNotFoundError:
+        return False
