@@ -15,10 +15,10 @@ import io
 import torch
 import xxhash
 
-_Kind = tuple[str, tuple[int, ...], tuple[int, ...], int, int]
+Kind = tuple[str, tuple[int, ...], tuple[int, ...], int, int]
 
 
-def tensor_kind(tensor: torch.Tensor) -> _Kind | None:
+def tensor_kind(tensor: torch.Tensor) -> Kind | None:
     """What fixes the rest of a tensor's serialized bytes besides its storage: dtype, shape,
     strides, storage offset and storage size; None for a tensor that is never hashed (a
     subclass, not a plain strided CPU tensor, quantized, lazily conjugated or negated, empty)."""
@@ -47,9 +47,14 @@ def tensor_digest(tensor: torch.Tensor) -> bytes:
     """xxh3-128 of the bytes of `tensor`'s whole storage (no copy). Call only for a tensor
     `tensor_kind` accepts. Called on: any thread (the interpreter lock is released while
     hashing a large buffer)."""
+    return xxhash.xxh3_128_digest(storage_bytes(tensor))
+
+
+def storage_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of `tensor`'s whole storage, without a copy (what `torch.save` writes)."""
     storage = tensor.untyped_storage()
     flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
-    return xxhash.xxh3_128_digest(memoryview(flat.numpy()))  # type: ignore[arg-type]
+    return memoryview(flat.numpy())  # type: ignore[arg-type]
 
 
 def bytes_digest(data: io.BytesIO | bytes) -> bytes:

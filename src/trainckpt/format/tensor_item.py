@@ -17,6 +17,7 @@ from typing import IO, cast
 import torch
 from torch.serialization import DEFAULT_PROTOCOL, _get_storage_alignment, _save
 
+from trainckpt.format.content_hash import Kind, storage_bytes, tensor_kind
 from trainckpt.storage.checksummed_file import ChecksummedWriter
 
 
@@ -48,9 +49,6 @@ def save_item(tensor: torch.Tensor, out: ChecksummedWriter) -> None:
     writer.write_end_of_file()
 
 
-_Kind = tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int, int]
-
-
 class ItemTemplates:
     """`torch.save`'s bytes for a CPU tensor (minus the zip CRC32: `save_item`) are a head,
     the bytes of its storage, and a tail, where head and tail depend only on the tensor's
@@ -65,7 +63,7 @@ class ItemTemplates:
     SMALL = 1 << 20  # smaller items are joined into a single write
 
     def __init__(self) -> None:
-        self._kinds: dict[_Kind, tuple[bytes, bytes]] = {}
+        self._kinds: dict[Kind, tuple[bytes, bytes]] = {}
 
     def write(self, tensor: torch.Tensor, out: ChecksummedWriter) -> None:
         """Write `tensor` as `save_item` would, from a template when its kind allows one."""
@@ -73,7 +71,7 @@ class ItemTemplates:
         if kind is None:
             save_item(tensor, out)
             return
-        data = _storage_bytes(tensor)
+        data = storage_bytes(tensor)
         known = self._kinds.get(kind)
         if known is None:
             buffer = io.BytesIO()
@@ -97,37 +95,11 @@ class ItemTemplates:
 _TEMPLATES = ItemTemplates()
 
 
-def _kind(tensor: torch.Tensor) -> _Kind | None:
-    """What fixes a tensor's head and tail in `torch.save`'s bytes; None for a tensor that
-    always goes through the serializer (a subclass, not strided on the CPU, quantized,
-    conjugated or negated lazily, or empty)."""
-    if (
-        type(tensor) is not torch.Tensor
-        or not tensor.is_cpu
-        or tensor.layout != torch.strided
-        or tensor.is_quantized
-        or tensor.is_conj()
-        or tensor.is_neg()
-        or tensor.requires_grad
-    ):
-        return None
-    nbytes = tensor.untyped_storage().nbytes()
-    if nbytes == 0:
-        return None
-    return (
-        tensor.dtype,
-        tuple(tensor.shape),
-        tensor.stride(),
-        int(tensor.storage_offset()),
-        nbytes,
-    )
-
-
-def _storage_bytes(tensor: torch.Tensor) -> memoryview:
-    """The bytes of `tensor`'s whole storage, without a copy (what `torch.save` writes)."""
-    storage = tensor.untyped_storage()
-    flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
-    return memoryview(flat.numpy())  # type: ignore[arg-type]
+def _kind(tensor: torch.Tensor) -> Kind | None:
+    """What fixes a tensor's head and tail in `torch.save`'s bytes (`tensor_kind`); None for a
+    tensor that always goes through the serializer (those `tensor_kind` refuses, and one that
+    requires grad)."""
+    return None if tensor.requires_grad else tensor_kind(tensor)
 
 
 def _split_item(item: memoryview, data: memoryview) -> tuple[bytes, bytes] | None:
