@@ -6,6 +6,7 @@ core's (exponential ceilings, drawn with jitter) for all three."""
 
 from __future__ import annotations
 
+import threading
 import time
 import types
 import uuid
@@ -89,11 +90,15 @@ def flaky(request: pytest.FixtureRequest) -> Iterator[Flaky]:
 
 @pytest.fixture
 def waits(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    """The waits google-api-core's retry loop takes (still taken: the deadline stays real)."""
+    """The waits google-api-core's retry loop takes (still taken: the deadline stays real), in
+    threads started by this test only: a thread an earlier test left retrying against its own
+    server (the GCS SDK's loop runs on in the background) would otherwise add its waits here."""
     taken: list[float] = []
+    earlier = {t.ident for t in threading.enumerate()} - {threading.get_ident()}
 
     def sleep(seconds: float) -> None:
-        taken.append(seconds)
+        if threading.get_ident() not in earlier:
+            taken.append(seconds)
         time.sleep(seconds)
 
     clock: Any = types.SimpleNamespace(sleep=sleep, monotonic=time.monotonic)
