@@ -30,12 +30,14 @@ from torch.distributed.checkpoint.planner import (
     LoadPlanner,
     ReadItem,
     SavePlan,
+    WriteItem,
+    WriteItemType,
 )
 
 from trainckpt.core import dist, plan_cache
 from trainckpt.core.gc_pause import paused_gc
 from trainckpt.errors import CheckpointError, StorageError
-from trainckpt.format import shard_checksums
+from trainckpt.format import plain_values, shard_checksums
 from trainckpt.format.layout import DCP_METADATA_FILE
 from trainckpt.format.safe_unpickle import load_torch_plain
 from trainckpt.format.shard_reader import ParallelReader
@@ -113,6 +115,14 @@ class _SavePlanner(plan_cache.ReusingSavePlanner):
         if len(all_plans) == 1:
             return all_plans
         return super()._dedup_save_plans(all_plans)
+
+    def transform_object(self, write_item: WriteItem, object: Any) -> Any:
+        """A byte item as DCP writes it (`torch.save`), each distinct small value serialized
+        once (`plain_values`): a flattened optimizer state repeats its hyperparameters per
+        parameter."""
+        if write_item.type == WriteItemType.BYTE_IO:
+            return io.BytesIO(plain_values.saved_bytes(object))
+        return object
 
 
 # -- loading -----------------------------------------------------------------------------------
@@ -227,10 +237,11 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
     def __init__(self, folder: str = "") -> None:
         super().__init__()
         self.folder = folder
+        self.parsed = plain_values.Parsed()
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         where = f"DCP value '{read_item.dest_index.fqn}' in '{self.folder}'"
-        obj = load_torch_plain(value.read(), where)
+        obj = self.parsed.value(value.read(), lambda data: load_torch_plain(data, where))
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
