@@ -18,6 +18,8 @@ reference the targets compare with. Then, on fake-gcs-server (request bodies cou
 three synchronous saves by trainckpt and OLMo-core: bytes uploaded per save. Last, the
 no-regression check: a fully trained state (nothing unchanged) saved twice with incremental on
 and off. The first save of each contender includes its start-up (a writer process to spawn).
+Each contender's three saves run `--repeats` times, the contenders' order rotating from one
+repeat to the next; each row is the median, with the minimum and maximum of the times.
 """
 
 from __future__ import annotations
@@ -123,8 +125,11 @@ def _changed_only(adapters: ModelAndOptim, root: Path) -> Contender:
     return Contender("changed-only", start, ckpt.close)
 
 
-def _local_runs(size_mb: float, root: Path, warm_steps: int) -> tuple[dict[str, Any], list[str]]:
-    """Three saves per contender; returns per label the rows of each save, and notes."""
+def _local_runs(
+    size_mb: float, root: Path, warm_steps: int, repeats: int
+) -> tuple[dict[str, Any], list[str]]:
+    """Three saves per contender, `repeats` times, the contenders' order rotating from one
+    repeat to the next; returns per label the median row of each save, and notes."""
     group = init_one_rank_group()
     module, adapters = make_lora(size_mb)
     initial = (
@@ -137,41 +142,70 @@ def _local_runs(size_mb: float, root: Path, warm_steps: int) -> tuple[dict[str, 
     trainer = Trainer()
     for _ in range(5):  # first steps allocate
         trainer.step()
-    out: dict[str, Any] = {}
+    runs: dict[str, list[list[dict[str, Any]]]] = {LABELS[c.key]: [] for c in contenders}
     try:
-        for c in contenders:
-            module.model.load_state_dict(initial[0])  # every contender saves the same states
-            assert module.optim is not None
-            module.optim.state.clear()
-            seen: set[tuple[int, int]] = set()
-            rows = []
-            for n in (1, 2, 3):
-                adapter_step(module, n)
-                os.sync()
-                folder = root / c.key / f"step{n}"
-                s = one_save(trainer, c, folder, warm_steps)
-                os.sync()
-                rows.append(
-                    {
-                        "save": n,
-                        "bytes_written": new_bytes(folder, seen),
-                        "save_s": s.committed,
-                        "blocked_s": s.blocked,
-                        "lost_s": s.lost,
-                    }
+        for r in range(repeats):
+            shift = r % len(contenders)
+            for c in contenders[shift:] + contenders[:shift]:
+                runs[LABELS[c.key]].append(
+                    _three_saves(module, initial, trainer, c, root, r, warm_steps)
                 )
-                r = rows[-1]
-                print(
-                    f"  {LABELS[c.key]} save {n}: wrote {r['bytes_written'] / 1e6:.1f} MB, "
-                    f"committed {r['save_s']:.2f}s, training lost {r['lost_s']:.2f}s",
-                    flush=True,
-                )
-            out[LABELS[c.key]] = rows
-            shutil.rmtree(root / c.key, ignore_errors=True)
     finally:
         for c in contenders:
             c.close()
-    return out, notes
+    return {label: [_median_row(rs, i) for i in range(3)] for label, rs in runs.items()}, notes
+
+
+def _three_saves(
+    module: ModelAndOptim,
+    initial: tuple[dict[str, torch.Tensor], Any],
+    trainer: Trainer,
+    c: Contender,
+    root: Path,
+    repeat: int,
+    warm_steps: int,
+) -> list[dict[str, Any]]:
+    """One run of three saves by `c` from the same initial state as every contender's."""
+    module.model.load_state_dict(initial[0])
+    assert module.optim is not None
+    module.optim.state.clear()
+    seen: set[tuple[int, int]] = set()
+    rows = []
+    for n in (1, 2, 3):
+        adapter_step(module, n)
+        os.sync()
+        folder = root / c.key / f"run{repeat}" / f"step{n}"
+        s = one_save(trainer, c, folder, warm_steps)
+        os.sync()
+        rows.append(
+            {
+                "save": n,
+                "bytes_written": new_bytes(folder, seen),
+                "save_s": s.committed,
+                "blocked_s": s.blocked,
+                "lost_s": s.lost,
+            }
+        )
+        r = rows[-1]
+        print(
+            f"  {LABELS[c.key]} save {n} (repeat {repeat + 1}): wrote "
+            f"{r['bytes_written'] / 1e6:.1f} MB, committed {r['save_s']:.2f}s, "
+            f"training lost {r['lost_s']:.2f}s",
+            flush=True,
+        )
+    shutil.rmtree(root / c.key, ignore_errors=True)
+    return rows
+
+
+def _median_row(runs: list[list[dict[str, Any]]], i: int) -> dict[str, Any]:
+    """Save `i` over the runs: medians, and the samples of each time."""
+    rows = [run[i] for run in runs]
+    out: dict[str, Any] = {"save": rows[0]["save"]}
+    for field in ("bytes_written", "save_s", "blocked_s", "lost_s"):
+        values = [row[field] for row in rows]
+        out[field] = statistics.median(values)
+        out[f"{field}_samples"] = values
+    return out
 
 
 def _gcs_runs(size_mb: float, root: Path) -> dict[str, Any]:
@@ -273,7 +307,7 @@ def bench_incremental(
             f"load average {os.getloadavg()[0]:.2f}",
             flush=True,
         )
-        local, notes = _local_runs(size_mb, work, warm_steps)
+        local, notes = _local_runs(size_mb, work, warm_steps, repeats)
         report: dict[str, Any] = {
             "state_bytes": state,
             "frozen_bytes": frozen,
@@ -294,21 +328,29 @@ def bench_incremental(
 
 
 def table(report: dict[str, Any]) -> str:
-    head = f"{'contender':<42} {'save':>4} {'written MB':>11} {'save s':>8} {'lost s':>8}"
+    head = f"{'contender':<42} {'save':>4} {'written MB':>11} {'save s':>17} {'lost s':>17}"
     lines = [head, "-" * len(head)]
     for label, rows in report["local"].items():
         for r in rows:
             lines.append(
                 f"{label:<42} {r['save']:>4} {r['bytes_written'] / 1e6:>11.1f} "
-                f"{r['save_s']:>8.2f} {r['lost_s']:>8.2f}"
+                f"{_spread(r, 'save_s'):>17} {_spread(r, 'lost_s'):>17}"
             )
     for name, rows in report.get("gcs", {}).items():
         for r in rows:
             lines.append(
                 f"{'GCS ' + name + ' (uploaded MB)':<42} {r['save']:>4} "
-                f"{r['bytes_uploaded'] / 1e6:>11.1f} {r['save_s']:>8.2f} {'':>8}"
+                f"{r['bytes_uploaded'] / 1e6:>11.1f} {r['save_s']:>17.2f} {'':>17}"
             )
     return "\n".join(lines)
+
+
+def _spread(row: dict[str, Any], field: str) -> str:
+    """`median (min-max)` of a time over the repeats."""
+    samples = row.get(f"{field}_samples", [row[field]])
+    if len(samples) == 1:
+        return f"{row[field]:.2f}"
+    return f"{row[field]:.2f} ({min(samples):.2f}-{max(samples):.2f})"
 
 
 def targets(report: dict[str, Any]) -> list[str]:
