@@ -499,6 +499,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--scale-tensors", type=int, default=16, help="--scale: tensors sharded over every rank"
     )
+    p.add_argument(
+        "--scale-training-entries",
+        type=int,
+        default=16000,
+        help="--scale: entries of the state saved in the background while a model trains "
+        "(0: skip that part)",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     # DCP says on every single-process call that it assumes a single process; it is right.
@@ -523,8 +530,10 @@ def main(argv: list[str] | None = None) -> int:
                 [int(x) for x in args.scale_ranks.split(",")],
                 args.scale_tensors,
                 root,
+                args.scale_training_entries,
             )
             report["notes"] += report["scale"]["entries"]["notes"]
+            report["notes"] += report["scale"].get("training", {}).get("notes", [])
         elif not args.training_only:
             _bench(args, root, report)
         if not args.no_training and not args.scale and not args.incremental:

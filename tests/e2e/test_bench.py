@@ -70,6 +70,7 @@ def test_bench_scale_runs_and_prints_its_tables(tmp_path: Path) -> None:
     loaded state), and each simulated function reported a time and a memory peak."""
     out = tmp_path / "scale.json"
     args = ["--scale", "--scale-entries", "400", "--scale-ranks", "2,4", "--scale-tensors", "2"]
+    args += ["--scale-training-entries", "400"]
     args += ["--repeats", "1", "--dir", str(tmp_path), "--json", str(out)]
     run = _bench(args)
     scale = json.loads(out.read_text())["scale"]
@@ -86,6 +87,13 @@ def test_bench_scale_runs_and_prints_its_tables(tmp_path: Path) -> None:
         assert len(timed) == 6  # with the read of trainckpt's own metadata record
         assert all(v["s"] > 0 and v["peak_mb"] > 0 for v in timed.values())
     assert "target simulated 4 ranks: rank 0 commit work" in run.stdout
+    training = scale["training"]
+    assert training["entries"] == 400
+    for name, r in training["results"].items():  # the copy floor and three trainckpt modes
+        assert r["steps_during"]["min"] >= 1, name
+        assert 0 < r["committed_s"]["min"], name
+    assert len(training["results"]) == 4
+    assert "target background save of 400 entries, best mode" in run.stdout
     assert list(tmp_path.iterdir()) == [out]
 
 
