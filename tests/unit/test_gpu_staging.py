@@ -342,3 +342,32 @@ def _saved(obj: object) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
+
+
+def test_a_staged_cpu_state_is_an_independent_copy_of_every_value() -> None:
+    """Thousands of CPU tensors (views, odd dtypes, non-contiguous) copied in one batch, and the
+    values beside them: equal when staged, unchanged by later training, mutable containers not
+    shared with the state."""
+    base = torch.arange(24, dtype=torch.float64).reshape(4, 6)
+    state: dict[str, object] = {
+        f"w{i}": torch.randn(3, dtype=torch.bfloat16 if i % 3 else torch.float32)
+        for i in range(3000)
+    }
+    state |= {
+        "view": base[1:3],
+        "transposed": base.t(),
+        "hyper": {"lr": 0.5, "betas": (0.9, 0.999), "names": ["a", "b"], "flag": None},
+    }
+    expected = copy.deepcopy(state)
+    staged = Stager().stage(state)
+    for value in state.values():
+        if isinstance(value, torch.Tensor):
+            value.add_(1)  # training goes on
+    state["hyper"]["names"].append("c")  # type: ignore[index]
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(staged[key], value), key
+            assert staged[key].stride() == staged[key].contiguous().stride()
+        else:
+            assert staged[key] == value, key
+    assert staged["hyper"]["names"] is not state["hyper"]["names"]  # type: ignore[index]

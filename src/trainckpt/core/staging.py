@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import logging
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -87,7 +87,7 @@ class Stager:
         staging on the training thread may leave it out (the current position).
         `shared`: the buffers are in shared memory (for a writer process).
         Called on: the training thread, or the checkpointer's background thread with `after`."""
-        leaves = dict(_leaves(state, "", refuse_partial=True))
+        leaves = _leaves(state, "", refuse_partial=True)
         mark = after if after is not None else self.mark(state)
         with nullcontext() if mark is None else self.cuda.on_device(mark.device):
             self._allocate(leaves, shared, mark)
@@ -143,12 +143,16 @@ class Stager:
         `leaves`) until then, so the caching allocator cannot hand their memory to the trainer
         while a copy reads it."""
         on_device: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        on_cpu: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         for key, t in leaves.items():
             device = None if mark is None else self.cuda.device_of(t)
             if device is None:
-                self._buffers[key].copy_(t)
+                on_cpu[0].append(self._buffers[key])
+                on_cpu[1].append(t)
             else:
                 on_device.setdefault(device, []).append((self._buffers[key], t))
+        if on_cpu[0]:
+            torch._foreach_copy_(*on_cpu)  # one call: thousands of small copies cost no more
         streams = []
         for device, pairs in on_device.items():
             assert mark is not None
@@ -165,51 +169,73 @@ class Stager:
 
     def _rebuild(self, obj: Any, path: str) -> Any:
         """`obj` with each tensor replaced by its buffer (keys as `_leaves` made them)."""
-        DTensor = dtensor_type()
-        if DTensor is not None and isinstance(obj, DTensor):
-            # As DCP's stager does: the local tensor stays the CPU buffer, mesh and placements
-            # stay as they are (from_local would copy it to the mesh's device).
-            return DTensor(self._buffers[path], obj._spec, requires_grad=False)
-        if isinstance(obj, torch.Tensor):
-            return self._buffers[path]
-        if isinstance(obj, dict):
-            return {k: self._rebuild(v, f"{path}.{k}") for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            items = [self._rebuild(v, f"{path}.{i}") for i, v in enumerate(obj)]
-            if isinstance(obj, list):
-                return items
-            return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-        return copy.deepcopy(obj)
+        return _rebuilt(obj, path, self._buffers, dtensor_type())
 
 
-def _leaves(
-    obj: Any, path: str, refuse_partial: bool = False
-) -> Iterator[tuple[str, torch.Tensor]]:
+_IMMUTABLE = frozenset({type(None), bool, int, float, complex, str, bytes})
+"""Leaf types a staged copy may share with the state (what `copy.deepcopy` returns as is)."""
+
+
+def _rebuilt(obj: Any, path: str, buffers: dict[str, torch.Tensor], DTensor: Any) -> Any:
+    kind = type(obj)
+    if kind in _IMMUTABLE:
+        return obj
+    if kind is torch.Tensor:
+        return buffers[path]
+    if DTensor is not None and isinstance(obj, DTensor):
+        # As DCP's stager does: the local tensor stays the CPU buffer, mesh and placements
+        # stay as they are (from_local would copy it to the mesh's device).
+        return DTensor(buffers[path], obj._spec, requires_grad=False)
+    if isinstance(obj, torch.Tensor):
+        return buffers[path]
+    if isinstance(obj, dict):
+        return {k: _rebuilt(v, f"{path}.{k}", buffers, DTensor) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [_rebuilt(v, f"{path}.{i}", buffers, DTensor) for i, v in enumerate(obj)]
+        if isinstance(obj, list):
+            return items
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return copy.deepcopy(obj)
+
+
+def _leaves(obj: Any, path: str, refuse_partial: bool = False) -> dict[str, torch.Tensor]:
     """The tensors of `obj` to copy (DTensors as their local shards), keyed by path. With
     `refuse_partial`, a DTensor with a `Partial` placement is refused: its local tensors are
     not shards of the value but summands of it, which no checkpoint stores."""
-    DTensor = dtensor_type()
-    if DTensor is not None and isinstance(obj, DTensor):
+    found: dict[str, torch.Tensor] = {}
+    _collect(obj, path, refuse_partial, dtensor_type(), found)
+    return found
+
+
+def _collect(
+    obj: Any, path: str, refuse_partial: bool, DTensor: Any, found: dict[str, torch.Tensor]
+) -> None:
+    kind = type(obj)
+    if kind in _IMMUTABLE:
+        return
+    if kind is torch.Tensor:
+        found[path] = obj.detach()
+    elif DTensor is not None and isinstance(obj, DTensor):
         if refuse_partial and any(p.is_partial() for p in obj.placements):
             raise ConfigurationError(
                 f"cannot stage '{path.lstrip('.')}': it is a DTensor with a Partial placement "
                 f"({obj.placements}), a pending reduction; reduce it first (e.g. "
                 "redistribute to Replicate) before saving"
             )
-        yield path, obj.to_local().detach()
+        found[path] = obj.to_local().detach()
     elif isinstance(obj, torch.Tensor):
-        yield path, obj.detach()
+        found[path] = obj.detach()
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            yield from _leaves(v, f"{path}.{k}", refuse_partial)
+            _collect(v, f"{path}.{k}", refuse_partial, DTensor, found)
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            yield from _leaves(v, f"{path}.{i}", refuse_partial)
+            _collect(v, f"{path}.{i}", refuse_partial, DTensor, found)
 
 
 def _devices(state: Any, cuda: CudaCalls) -> set[int]:
     """The CUDA devices holding a tensor of `state`."""
-    found = (cuda.device_of(t) for _, t in _leaves(state, ""))
+    found = (cuda.device_of(t) for t in _leaves(state, "").values())
     return {d for d in found if d is not None}
 
 
