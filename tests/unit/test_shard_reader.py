@@ -58,7 +58,7 @@ def test_load_on_several_threads_restores_every_tensor(
     if threads == 1:
         assert seen == {threading.current_thread().name}
     else:
-        assert threading.current_thread().name not in seen and len(seen) > 1
+        assert seen and all(name.startswith("trainckpt-read") for name in seen)
 
 
 def test_small_items_are_read_on_the_calling_thread(tmp_path: Path, monkeypatch) -> None:
