@@ -46,6 +46,7 @@ def test_load_on_several_threads_restores_every_tensor(
     tmp_path: Path, threads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(shard_reader, "BYTES_PER_THREAD", 1)  # a thread for any bytes
+    monkeypatch.setattr(shard_reader, "LARGE_ITEM_BYTES", 0)
     monkeypatch.setattr(shard_reader, "_SPAN_BYTES", 300)  # a few items per read
     seen = _reading_threads_seen(monkeypatch)
     src = make_module(width=48)
@@ -62,9 +63,9 @@ def test_load_on_several_threads_restores_every_tensor(
 
 
 def test_small_items_are_read_on_the_calling_thread(tmp_path: Path, monkeypatch) -> None:
-    """Reading threads are chosen by the bytes to read, not the configured count: a state of
-    small items is read on the calling thread (threads would fight over the interpreter lock),
-    with the same result."""
+    """Reading threads are chosen by the large items to read, not the configured count: a
+    state of small items is read on the calling thread (threads would fight over the
+    interpreter lock), with the same result."""
     seen = _reading_threads_seen(monkeypatch)
     src = make_module(width=48)
     ckpt = CheckpointerConfig(work_dir=tmp_path / "w", load_thread_count=4).build()
@@ -75,14 +76,12 @@ def test_small_items_are_read_on_the_calling_thread(tmp_path: Path, monkeypatch)
     assert_same_state(src, dst)
     assert seen == {threading.current_thread().name}
     mib = 2**20
-    assert [reading_threads(n, 4) for n in (0, 15 * mib, 16 * mib, 40 * mib, 10**12)] == [
-        1,
-        1,
-        1,
-        2,
-        4,
-    ]
-    assert reading_threads(10**12, 1) == 1
+    assert reading_threads([], 4) == 1
+    assert reading_threads([1500] * 100_000, 4) == 1  # 150 MB of small items: no threads
+    assert reading_threads([20 * mib], 4) == 1
+    assert reading_threads([20 * mib, 20 * mib, 1500], 4) == 2
+    assert reading_threads([2**30] * 4, 4) == 4
+    assert reading_threads([2**30] * 4, 1) == 1
 
 
 def test_runs_cover_every_item_once_in_order_and_balance_sizes() -> None:

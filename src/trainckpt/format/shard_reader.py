@@ -5,8 +5,8 @@ calling thread: the disk waits while a tensor is deserialized and copied, and th
 while the disk reads. Here the items are split into contiguous runs of about equal size, one per
 thread, each thread with its own file handles; reading, `torch.load(weights_only=True)` and the
 copy into the target release the GIL. The planner is only called under a lock. The number of
-threads follows the bytes to read (`reading_threads`): small items are mostly work under the
-interpreter lock, which more threads only fight over.
+threads follows the large items to read (`reading_threads`): small items are mostly work under
+the interpreter lock, which more threads only fight over.
 
 Given the id of the save that wrote the checkpoint (`save_id`, from `.metadata`), every shard
 file this rank reads has its item record read and checked first (it must name that file and that
@@ -22,7 +22,7 @@ from __future__ import annotations
 import io
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import IO, Any, TypeVar, cast
@@ -36,10 +36,12 @@ from torch.futures import Future
 from trainckpt.format import shard_checksums
 from trainckpt.storage.ranged import RangeReader
 
-# A reading thread pays off only with enough bytes to read: the work per item (planning,
-# checking, building the tensor) holds the interpreter lock, so threads reading many small
-# items mostly wait for one another (a 16,000-entry state of 4 MB loaded ~1.5x slower on 4
-# threads than on one). At 16 MiB a thread reads and copies for several milliseconds.
+# A reading thread pays off only for large items: the work per item (planning, checking,
+# building the tensor, ~0.1 ms) holds the interpreter lock, so threads reading small items
+# mostly wait for one another (a 16,000-entry state, 60,000 items of ~1.5 KB, loaded ~1.5x
+# slower on 4 threads than on one). An item of `LARGE_ITEM_BYTES` takes about as long to
+# read, check and copy, without the lock; a thread per `BYTES_PER_THREAD` of such items.
+LARGE_ITEM_BYTES = 256 * 2**10
 BYTES_PER_THREAD = 16 * 2**20
 # Checked items of one file are read together, in one read of up to this many bytes (an item
 # larger than that is read alone), skipping gaps of up to `_MAX_GAP` bytes between them.
@@ -50,9 +52,11 @@ _Work = tuple[_StorageInfo, ReadItem]
 _T = TypeVar("_T")
 
 
-def reading_threads(total_bytes: int, thread_count: int) -> int:
-    """How many of `thread_count` threads read `total_bytes`: one per `BYTES_PER_THREAD`."""
-    return max(1, min(thread_count, total_bytes // BYTES_PER_THREAD))
+def reading_threads(lengths: Iterable[int], thread_count: int) -> int:
+    """How many of `thread_count` threads read items of `lengths` bytes: one per
+    `BYTES_PER_THREAD` of the items of at least `LARGE_ITEM_BYTES`, and at least one."""
+    large = sum(n for n in lengths if n >= LARGE_ITEM_BYTES)
+    return max(1, min(thread_count, large // BYTES_PER_THREAD))
 
 
 class ParallelReader(FileSystemReader):
@@ -73,7 +77,7 @@ class ParallelReader(FileSystemReader):
             key=lambda w: (w[0].relative_path, w[0].offset),
         )
         records = self._records(sorted({info.relative_path for info, _ in work}))
-        threads = reading_threads(sum(info.length for info, _ in work), self.thread_count)
+        threads = reading_threads((info.length for info, _ in work), self.thread_count)
         runs = _split_runs(work, threads, lambda w: w[0].length)
         lock = threading.Lock()
         self._run_all(lambda run: self._read_run(run, planner, lock, records), runs, threads)
