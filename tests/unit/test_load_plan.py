@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from torch.distributed.checkpoint import default_planner, planner_helpers
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, default_planner, planner_helpers
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -16,7 +18,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from trainckpt.core.dcp import _SafeLoadPlanner
+from trainckpt.core.dcp import _SafeLoadPlanner, save_state
 
 
 def _saved(size: tuple[int, ...], *chunks: tuple[tuple[int, ...], tuple[int, ...]]) -> Any:
@@ -116,3 +118,25 @@ def test_other_states_are_planned_or_refused_as_dcp_does(change: Any) -> None:
         except Exception as e:  # noqa: BLE001 - the same error either way
             outcomes.append(f"{type(e).__name__}: {e}")
     assert outcomes[0] == outcomes[1]
+
+
+def test_nested_values_load_where_they_were(tmp_path: Path) -> None:
+    """Values at every depth (dicts, lists, tensors beside plain values) land in their place,
+    through the planned read items and the direct placement of plain values."""
+    state: dict[str, Any] = {
+        "top": 3,
+        "a": {"b": {"c": 1.5, "t": torch.arange(6.0)}, "lst": [1, torch.ones(2), {"d": "x"}]},
+        "opt": {"lr": 0.1, "betas": (0.9, 0.99)},
+    }
+    save_state(state, tmp_path / "dcp", group=None, thread_count=1)
+    blank: dict[str, Any] = {
+        "top": 0,
+        "a": {"b": {"c": 0.0, "t": torch.zeros(6)}, "lst": [0, torch.zeros(2), {"d": ""}]},
+        "opt": {"lr": 0.0, "betas": (0.0, 0.0)},
+    }
+    reader = FileSystemReader(str(tmp_path / "dcp"))
+    dcp.load(blank, storage_reader=reader, planner=_SafeLoadPlanner(), no_dist=True)
+    assert blank["top"] == 3 and blank["opt"] == {"lr": 0.1, "betas": (0.9, 0.99)}
+    assert blank["a"]["b"]["c"] == 1.5 and torch.equal(blank["a"]["b"]["t"], torch.arange(6.0))
+    assert blank["a"]["lst"][0] == 1 and torch.equal(blank["a"]["lst"][1], torch.ones(2))
+    assert blank["a"]["lst"][2] == {"d": "x"}

@@ -280,22 +280,37 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
         return LoadPlan(items)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        where = f"DCP value '{read_item.dest_index.fqn}' in '{self.folder}'"
-        obj = self.parsed.value(value.read(), lambda data: load_torch_plain(data, where))
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
+        fqn = read_item.dest_index.fqn
+        obj = self.parsed.value(
+            value.read(),
+            lambda data: load_torch_plain(data, f"DCP value '{fqn}' in '{self.folder}'"),
+        )
+        if not self.flatten_state_dict:
+            self.state_dict[fqn] = obj
+            return
+        path = self.mappings[fqn]
+        try:  # the state to load into has every container on the path already
+            parent: Any = self.original_state_dict
+            for key in path[:-1]:
+                parent = parent[key]
+            parent[path[-1]] = obj
+        except (KeyError, IndexError, TypeError):
+            set_element(self.original_state_dict, path, obj)
 
 
-def _holds_sharded_tensor(obj: Any) -> bool:
-    """Whether the nested state `obj` holds a `ShardedTensor` anywhere."""
-    if isinstance(obj, ShardedTensor):
-        return True
-    if isinstance(obj, Mapping):
-        return any(_holds_sharded_tensor(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return any(_holds_sharded_tensor(v) for v in obj)
+def _holds_sharded_tensor(state: Any) -> bool:
+    """Whether the nested state `state` holds a `ShardedTensor` anywhere."""
+    stack = [state]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif isinstance(obj, ShardedTensor):
+            return True
+        elif isinstance(obj, Mapping):
+            stack.extend(obj.values())
     return False
 
 
