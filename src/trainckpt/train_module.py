@@ -95,6 +95,7 @@ class ModelAndOptim:
                 "optimizers: pass one optimizer per part (or none)"
             )
         self._check_unique_names()
+        self._handed_out: _HandedOut | None = None
 
     @property
     def model(self) -> torch.nn.Module:
@@ -127,22 +128,25 @@ class ModelAndOptim:
                 seen[name] = i
 
     def _model_state(self) -> dict[str, Any]:
-        return {
-            k: v for p in self.parts for k, v in get_model_state_dict(p, options=_opts()).items()
-        }
+        return _merged(self._model_parts())
+
+    def _model_parts(self) -> list[dict[str, Any]]:
+        return [get_model_state_dict(p, options=_opts()) for p in self.parts]
 
     def _optim_state(self) -> dict[str, Any]:
-        """Flattened optimizer state of every part. DCP fills the state of an optimizer that
+        return _merged(self._optim_parts())
+
+    def _optim_parts(self) -> list[dict[str, Any]]:
+        """Flattened optimizer state of each part. DCP fills the state of an optimizer that
         has not stepped yet by stepping it with zero gradients (its step counter becomes 1);
         that state is returned but taken off the optimizer again, so saving never changes
         how training goes on."""
         fresh = [not o.state for o in self.optims]
         try:
-            return {
-                k: v
+            return [
+                get_optimizer_state_dict(p, o, options=_opts())
                 for p, o in zip(self.parts, self.optims, strict=True)
-                for k, v in get_optimizer_state_dict(p, o, options=_opts()).items()
-            }
+            ]
         finally:
             for o, was_fresh in zip(self.optims, fresh, strict=True):
                 if was_fresh:
@@ -170,23 +174,62 @@ class ModelAndOptim:
                 "load_optim_state=True but this ModelAndOptim has no optimizer; "
                 "pass the optimizer to ModelAndOptim(model, optim)"
             )
-        state: dict[str, Any] = {"model": self._model_state()}
-        if optim:
-            state["optim"] = self._optim_state()
+        model_parts = self._model_parts()
+        state: dict[str, Any] = {"model": _merged(model_parts)}
+        optim_parts = self._optim_parts() if optim else None
+        if optim_parts is not None:
+            state["optim"] = _merged(optim_parts)
+        self._handed_out = _HandedOut(state, model_parts, optim_parts)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         model_sd = state_dict.get("model")
         optim_sd = state_dict.get("optim") if self.optims else None
+        handed_out, self._handed_out = self._handed_out, None
         for i, part in enumerate(self.parts):
             if model_sd is not None:
-                own = get_model_state_dict(part, options=_opts()).keys()
+                own = handed_out.model_keys(model_sd, i) if handed_out else None
+                if own is None:
+                    own = list(get_model_state_dict(part, options=_opts()))
                 set_model_state_dict(part, {k: model_sd[k] for k in own}, options=_opts())
             if optim_sd is not None:
-                own = get_optimizer_state_dict(part, self.optims[i], options=_opts()).keys()
+                own = handed_out.optim_keys(optim_sd, i) if handed_out else None
+                if own is None:
+                    own = list(get_optimizer_state_dict(part, self.optims[i], options=_opts()))
                 set_optimizer_state_dict(
                     part, self.optims[i], {k: optim_sd[k] for k in own}, options=_opts()
                 )
+
+
+def _merged(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    return {k: v for part in parts for k, v in part.items()}
+
+
+class _HandedOut:
+    """The state dict `state_dict_to_load` last returned and the keys of each part in it, so
+    that `load_state_dict` of that same dict splits it by part without building every part's
+    state dict again (a second full walk of DCP's `get_*_state_dict` per load)."""
+
+    def __init__(
+        self,
+        state: dict[str, Any],
+        model_parts: list[dict[str, Any]],
+        optim_parts: list[dict[str, Any]] | None,
+    ) -> None:
+        self.model = state["model"]
+        self.optim = state.get("optim")
+        self.model_parts = [list(p) for p in model_parts]
+        self.optim_parts = None if optim_parts is None else [list(p) for p in optim_parts]
+
+    def model_keys(self, model_sd: Any, part: int) -> list[str] | None:
+        """Part `part`'s keys, if `model_sd` is the model state handed out; else None."""
+        return self.model_parts[part] if model_sd is self.model else None
+
+    def optim_keys(self, optim_sd: Any, part: int) -> list[str] | None:
+        """Part `part`'s optimizer keys, if `optim_sd` is the optimizer state handed out."""
+        if optim_sd is not self.optim or self.optim_parts is None:
+            return None
+        return self.optim_parts[part]
 
 
 class ModelWeights:

@@ -1,9 +1,11 @@
-"""The parallel DCP read loop: every item read exactly once, on several threads."""
+"""The parallel DCP read loop: every item read exactly once, on as many threads as its bytes
+warrant, neighbouring items in one read and each still checked."""
 
 from __future__ import annotations
 
 import ctypes
 import io
+import threading
 from pathlib import Path
 
 import pytest
@@ -11,15 +13,42 @@ import torch
 import torch.distributed.checkpoint as dcp
 from support.models import assert_same_state, fresh_module, make_module
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from trainckpt import CheckpointerConfig
-from trainckpt.core.dcp import save_state
+from trainckpt import CheckpointerConfig, CorruptCheckpointError
+from trainckpt.core.dcp import plain_errors, save_state
+from trainckpt.errors import CheckpointError
 from trainckpt.format import shard_reader
-from trainckpt.format.shard_reader import ParallelReader, _load_checked, _split_runs
+from trainckpt.format.shard_reader import (
+    ParallelReader,
+    _load_checked,
+    _spans,
+    _split_runs,
+    reading_threads,
+)
+
+
+def _reading_threads_seen(monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """The names of the threads that load items from now on."""
+    seen: set[str] = set()
+    real = ParallelReader._read_item
+
+    def recording(self: ParallelReader, *args: object, **kwargs: object) -> None:
+        seen.add(threading.current_thread().name)
+        real(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ParallelReader, "_read_item", recording)
+    return seen
 
 
 @pytest.mark.parametrize("threads", [1, 3, 8])
-def test_load_on_several_threads_restores_every_tensor(tmp_path: Path, threads: int) -> None:
+def test_load_on_several_threads_restores_every_tensor(
+    tmp_path: Path, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(shard_reader, "BYTES_PER_THREAD", 1)  # a thread for any bytes
+    monkeypatch.setattr(shard_reader, "LARGE_ITEM_BYTES", 0)
+    monkeypatch.setattr(shard_reader, "_SPAN_BYTES", 300)  # a few items per read
+    seen = _reading_threads_seen(monkeypatch)
     src = make_module(width=48)
     ckpt = CheckpointerConfig(work_dir=tmp_path / "w", load_thread_count=threads).build()
     path = ckpt.save(tmp_path / "step1", src, {"step": 1})
@@ -27,6 +56,32 @@ def test_load_on_several_threads_restores_every_tensor(tmp_path: Path, threads: 
     ckpt.load(path, dst)
     ckpt.close()
     assert_same_state(src, dst)
+    if threads == 1:
+        assert seen == {threading.current_thread().name}
+    else:
+        assert seen and all(name.startswith("trainckpt-read") for name in seen)
+
+
+def test_small_items_are_read_on_the_calling_thread(tmp_path: Path, monkeypatch) -> None:
+    """Reading threads are chosen by the large items to read, not the configured count: a
+    state of small items is read on the calling thread (threads would fight over the
+    interpreter lock), with the same result."""
+    seen = _reading_threads_seen(monkeypatch)
+    src = make_module(width=48)
+    ckpt = CheckpointerConfig(work_dir=tmp_path / "w", load_thread_count=4).build()
+    path = ckpt.save(tmp_path / "step1", src, {"step": 1})
+    dst = fresh_module(width=48)
+    ckpt.load(path, dst)
+    ckpt.close()
+    assert_same_state(src, dst)
+    assert seen == {threading.current_thread().name}
+    mib = 2**20
+    assert reading_threads([], 4) == 1
+    assert reading_threads([1500] * 100_000, 4) == 1  # 150 MB of small items: no threads
+    assert reading_threads([20 * mib], 4) == 1
+    assert reading_threads([20 * mib, 20 * mib, 1500], 4) == 2
+    assert reading_threads([2**30] * 4, 4) == 4
+    assert reading_threads([2**30] * 4, 1) == 1
 
 
 def test_runs_cover_every_item_once_in_order_and_balance_sizes() -> None:
@@ -37,6 +92,23 @@ def test_runs_cover_every_item_once_in_order_and_balance_sizes() -> None:
     assert max(sum(r) for r in runs) <= 100  # no run holds most of the bytes
     assert _split_runs([], 4, size=lambda x: x) == []  # type: ignore[arg-type]
     assert _split_runs([7], 4, size=lambda x: x) == [[7]]  # type: ignore[arg-type]
+
+
+def test_spans_join_neighbouring_items_of_one_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shard_reader, "_SPAN_BYTES", 1000)
+    monkeypatch.setattr(shard_reader, "_MAX_GAP", 10)
+    places = [
+        *[("a", 0, 100), ("a", 100, 100), ("a", 100, 100), ("a", 205, 100)],  # joined
+        ("a", 400, 100),  # after a gap of 95 bytes
+        ("a", 500, 450),
+        ("a", 950, 500),  # 1,050 bytes from the span's start
+        ("a", 1450, 5000),  # larger than a span: alone
+        ("b", 6450, 10),  # another file
+    ]
+    run = [(_StorageInfo(n, o, ln), i) for i, (n, o, ln) in enumerate(places)]
+    spans = [[i for _, i in span] for span in _spans(run)]  # type: ignore[arg-type]
+    assert spans == [[0, 1, 2, 3], [4, 5], [6], [7], [8]]
+    assert list(_spans([])) == []
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.int64, torch.bool]
@@ -115,3 +187,49 @@ def test_items_of_one_kind_have_their_pickle_read_once(monkeypatch: pytest.Monke
             assert torch.equal(loaded, value)
         if not crc:
             assert len(pickles) == len(kinds)  # once per kind
+
+
+def _small_state() -> dict[str, object]:
+    state: dict[str, object] = {f"t{i}": torch.full((16,), float(i)) for i in range(40)}
+    state.update({f"n{i}": i % 3 for i in range(10)})
+    return state
+
+
+def _blank(state: dict[str, object]) -> dict[str, object]:
+    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1 for k, v in state.items()}
+
+
+@pytest.mark.parametrize("span_bytes", [1, 700, 2**22])
+def test_items_read_together_or_alone_load_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, span_bytes: int
+) -> None:
+    """Whatever the span, and with the items this load skips leaving gaps, each item gets its
+    own bytes."""
+    monkeypatch.setattr(shard_reader, "_SPAN_BYTES", span_bytes)
+    state = _small_state()
+    save_state(state, tmp_path / "dcp", group=None, thread_count=1)
+    save_id = FileSystemReader(str(tmp_path / "dcp")).read_metadata().storage_meta.save_id
+    wanted = {k: v for i, (k, v) in enumerate(state.items()) if i % 3 != 1}
+    out = _blank(wanted)
+    dcp.load(out, storage_reader=ParallelReader(tmp_path / "dcp", 1, save_id), no_dist=True)
+    for key, value in wanted.items():
+        assert (
+            torch.equal(out[key], value) if isinstance(value, torch.Tensor) else out[key] == value
+        )
+
+
+def test_a_damaged_item_read_with_its_neighbours_is_caught_and_named(tmp_path: Path) -> None:
+    """One flipped byte in one small item among many read in one read: the load fails naming
+    that item and its file, and the neighbours' checks do not hide it."""
+    state = _small_state()
+    save_state(state, tmp_path / "dcp", group=None, thread_count=1)
+    md = FileSystemReader(str(tmp_path / "dcp")).read_metadata()
+    [info] = [s for i, s in md.storage_data.items() if i.fqn == "t17"]
+    shard = tmp_path / "dcp" / info.relative_path
+    data = bytearray(shard.read_bytes())
+    data[info.offset + info.length // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    reader = ParallelReader(tmp_path / "dcp", thread_count=4, save_id=md.storage_meta.save_id)
+    with pytest.raises(CorruptCheckpointError) as caught, plain_errors("", CheckpointError):
+        dcp.load(_blank(state), storage_reader=reader, no_dist=True)
+    assert "item 't17'" in str(caught.value) and info.relative_path in str(caught.value)

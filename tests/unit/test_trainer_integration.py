@@ -220,3 +220,35 @@ def test_saving_does_not_change_a_fresh_optimizer(ckpt, tmp_path):
     with_save, without = run(True), run(False)
     for k, v in without.items():
         assert torch.equal(with_save[k], v), k
+
+
+def test_a_load_builds_each_parts_state_dict_once(ckpt, tmp_path, monkeypatch):
+    """`load_state_dict` of the state `state_dict_to_load` handed out splits it by part with
+    the keys it handed out (DCP's `get_*_state_dict` walks every entry: once per load, not
+    twice); any other state dict is still split by each part's own keys."""
+    from trainckpt import train_module
+
+    src = _two_stages(seed=1)
+    _train_stages(src)
+    path = ckpt.save(tmp_path / "step2", src, {"step": 2})
+    calls: list[str] = []
+    for name in ("get_model_state_dict", "get_optimizer_state_dict"):
+        real = getattr(train_module, name)
+        monkeypatch.setattr(
+            train_module,
+            name,
+            lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k),
+        )
+    dst = _two_stages(seed=2)
+    ckpt.load(path, dst)
+    assert sorted(calls) == ["get_model_state_dict"] * 2 + ["get_optimizer_state_dict"] * 2
+    for k, v in _named_optim_state(src.parts, src.optims).items():
+        assert torch.equal(v, _named_optim_state(dst.parts, dst.optims)[k]), k
+
+    other = _two_stages(seed=3)
+    saved = src.state_dict_to_save()
+    other.load_state_dict({"model": dict(saved["model"]), "optim": dict(saved["optim"])})
+    for a, b in zip(src.parts, other.parts, strict=True):
+        assert_same_state(ModelAndOptim(a), ModelAndOptim(b), optim=False)
+    for k, v in _named_optim_state(src.parts, src.optims).items():
+        assert torch.equal(v, _named_optim_state(other.parts, other.optims)[k]), k

@@ -12,7 +12,7 @@ import dataclasses
 import io
 import logging
 import warnings
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,12 +20,23 @@ from typing import IO, TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    create_default_local_load_plan,
+)
 from torch.distributed.checkpoint.filesystem import FileSystemBase
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import (
+    LoadItemType,
     LoadPlan,
     LoadPlanner,
     ReadItem,
@@ -232,20 +243,100 @@ def _save_id(metadata: Metadata, folder: str) -> str | None:
 
 class _SafeLoadPlanner(DefaultLoadPlanner):
     """Loads non-tensor values with `safe_unpickle.load_torch_plain` (PyTorch's `weights_only`
-    loader plus plain numpy values); `folder` names the checkpoint in its errors."""
+    loader plus plain numpy values); `folder` names the checkpoint in its errors.
+
+    Plans as DCP does, with less work per entry: the state is not copied to flatten
+    `ShardedTensor`s when it holds none, and a value that needs no resharding gets its read
+    item directly (`_whole_read_item`), not through DCP's general overlap search."""
 
     def __init__(self, folder: str = "") -> None:
         super().__init__()
         self.folder = folder
         self.parsed = plain_values.Parsed()
 
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        metadata: Metadata | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        self.flatten_sharded_tensors = _holds_sharded_tensor(state_dict)
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        saved = self.metadata.state_dict_metadata
+        if not saved.keys() <= self.state_dict.keys():  # DCP tells older checkpoints' keys apart
+            return super().create_local_plan()
+        strict = not self.allow_partial_load
+        items: list[ReadItem] = []
+        for fqn, obj in self.state_dict.items():
+            item = _whole_read_item(fqn, saved.get(fqn), obj)
+            if item is not None:
+                items.append(item)
+            else:
+                one = create_default_local_load_plan({fqn: obj}, self.metadata, strict)
+                items.extend(one.items)
+        return LoadPlan(items)
+
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        where = f"DCP value '{read_item.dest_index.fqn}' in '{self.folder}'"
-        obj = self.parsed.value(value.read(), lambda data: load_torch_plain(data, where))
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
+        fqn = read_item.dest_index.fqn
+        obj = self.parsed.value(
+            value.read(),
+            lambda data: load_torch_plain(data, f"DCP value '{fqn}' in '{self.folder}'"),
+        )
+        if not self.flatten_state_dict:
+            self.state_dict[fqn] = obj
+            return
+        path = self.mappings[fqn]
+        try:  # the state to load into has every container on the path already
+            parent: Any = self.original_state_dict
+            for key in path[:-1]:
+                parent = parent[key]
+            parent[path[-1]] = obj
+        except (KeyError, IndexError, TypeError):
+            set_element(self.original_state_dict, path, obj)
+
+
+def _holds_sharded_tensor(state: Any) -> bool:
+    """Whether the nested state `state` holds a `ShardedTensor` anywhere."""
+    stack = [state]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif isinstance(obj, ShardedTensor):
+            return True
+        elif isinstance(obj, Mapping):
+            stack.extend(obj.values())
+    return False
+
+
+_NO_OFFSET = torch.Size((0,))
+
+
+def _whole_read_item(fqn: str, saved: Any, obj: Any) -> ReadItem | None:
+    """The read item DCP plans for `obj` under `fqn` when it needs no resharding: a byte
+    value, or a plain tensor with no empty dimension saved whole, in one chunk of its size.
+    One `MetadataIndex` serves as destination and storage index (they are equal). None for
+    anything else (DCP plans it, and raises its errors)."""
+    if isinstance(saved, BytesStorageMetadata):
+        index = MetadataIndex(fqn)
+        return ReadItem(LoadItemType.BYTE_IO, index, _NO_OFFSET, index, _NO_OFFSET, _NO_OFFSET)
+    if (
+        not isinstance(saved, TensorStorageMetadata)
+        or type(obj) not in (torch.Tensor, torch.nn.Parameter)
+        or len(saved.chunks) != 1
+    ):
+        return None
+    size, chunk = obj.size(), saved.chunks[0]
+    if saved.size != size or chunk.sizes != size or any(chunk.offsets) or not all(size):
+        return None
+    zeros = chunk.offsets
+    index = MetadataIndex(fqn, zeros, 0)
+    return ReadItem(LoadItemType.TENSOR, index, zeros, index, zeros, size)
 
 
 def load_state(

@@ -192,6 +192,9 @@ def _encode_planner_data(data: Any) -> list[list[Any]] | None:
 # -- reading (any rank) ------------------------------------------------------------------------
 
 
+_PATH_PART_TYPES = {str, int}
+
+
 def decode(data: bytes, where: str) -> Metadata:
     """The `Metadata` that `data` (the bytes of `where`) describes; `CorruptCheckpointError`
     naming `where` and the field when anything in it is out of place."""
@@ -301,34 +304,39 @@ class _Decoder:
         self.check(isinstance(records, list), "'tensors' is not a list")
         pos = 0
         for rec in records:
-            self.check(isinstance(rec, list) and len(rec) == 6, "a tensor record is not 6 fields")
+            # Messages are formatted only on failure: tens of thousands of records each.
+            if not (isinstance(rec, list) and len(rec) == 6):
+                raise self.fail("a tensor record is not 6 fields")
             fqn, dtype_name, grad, pinned, size, chunk_count = rec
-            self.check(isinstance(fqn, str) and fqn not in entries, f"tensor name {fqn!r}")
+            if not (isinstance(fqn, str) and fqn not in entries):
+                raise self.fail(f"tensor name {fqn!r}")
             dtype = _DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
             if dtype is None:
                 raise self.fail(f"tensor '{fqn}': dtype {dtype_name!r} is unknown")
-            self.check(type(grad) is bool and type(pinned) is bool, f"tensor '{fqn}': flags")
-            self.check(
+            if not (type(grad) is bool and type(pinned) is bool):
+                raise self.fail(f"tensor '{fqn}': flags")
+            if not (
                 isinstance(size, list)
                 and len(size) <= MAX_NDIM
-                and all(type(n) is int and n >= 0 for n in size),
-                f"tensor '{fqn}': size {size!r}",
-            )
+                and all(type(n) is int and n >= 0 for n in size)
+            ):
+                raise self.fail(f"tensor '{fqn}': size {size!r}")
             ndim = len(size)
             width = 2 * ndim + _PER_CHUNK
-            self.check(
+            if not (
                 type(chunk_count) is int
                 and 0 <= chunk_count
-                and pos + chunk_count * width <= len(ints),
-                f"tensor '{fqn}': {chunk_count!r} chunks overrun the chunk table",
-            )
+                and pos + chunk_count * width <= len(ints)
+            ):
+                raise self.fail(f"tensor '{fqn}': {chunk_count!r} chunks overrun the chunk table")
             chunks = []
             for _ in range(chunk_count):
                 offsets = torch.Size(ints[pos : pos + ndim])
                 sizes = torch.Size(ints[pos + ndim : pos + 2 * ndim])
                 hint, file, offset, length = ints[pos + 2 * ndim : pos + width]
                 pos += width
-                self.check(file < len(files), f"tensor '{fqn}': file {file} is not listed")
+                if file >= len(files):
+                    raise self.fail(f"tensor '{fqn}': file {file} is not listed")
                 chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=sizes))
                 key = MetadataIndex(fqn, offsets, hint - 1 if hint else None)
                 storage[key] = _StorageInfo(files[file], offset, length)
@@ -345,14 +353,20 @@ class _Decoder:
     ) -> None:
         self.check(isinstance(records, list), "'bytes' is not a list")
         for rec in records:
-            self.check(isinstance(rec, list) and len(rec) == 5, "a bytes record is not 5 fields")
+            if not (isinstance(rec, list) and len(rec) == 5):
+                raise self.fail("a bytes record is not 5 fields")
             fqn, hint, file, offset, length = rec
-            self.check(isinstance(fqn, str) and fqn not in entries, f"bytes name {fqn!r}")
-            self.check(
-                all(type(n) is int and n >= 0 for n in (hint, file, offset, length))
-                and file < len(files),
-                f"bytes value '{fqn}': place {rec[1:]!r}",
-            )
+            if not (isinstance(fqn, str) and fqn not in entries):
+                raise self.fail(f"bytes name {fqn!r}")
+            if not (
+                type(hint) is int
+                and type(file) is int
+                and type(offset) is int
+                and type(length) is int
+                and 0 <= file < len(files)
+                and min(hint, offset, length) >= 0
+            ):
+                raise self.fail(f"bytes value '{fqn}': place {rec[1:]!r}")
             entries[fqn] = BytesStorageMetadata()
             storage[MetadataIndex(fqn, None, hint - 1 if hint else None)] = _StorageInfo(
                 files[file], offset, length
@@ -365,8 +379,9 @@ class _Decoder:
         out: dict[str, tuple[str | int, ...]] = {}
         for rec in obj:
             ok = isinstance(rec, list) and len(rec) == 2 and isinstance(rec[0], str)
-            ok = ok and isinstance(rec[1], list) and all(type(p) in (str, int) for p in rec[1])
-            self.check(ok, f"a 'planner_data' record is not [name, [str|int...]]: {rec!r:.80}")
+            ok = ok and isinstance(rec[1], list) and set(map(type, rec[1])) <= _PATH_PART_TYPES
+            if not ok:
+                raise self.fail(f"a 'planner_data' record is not [name, [str|int...]]: {rec!r:.80}")
             out[rec[0]] = tuple(rec[1])
         return out
 
