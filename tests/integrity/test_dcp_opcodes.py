@@ -95,40 +95,63 @@ def test_persistent_ids_are_refused():
             load_dcp_metadata(data, "md")
 
 
-def test_build_cannot_change_an_allowed_callable_or_a_checked_record():
-    """BUILD on a checking constructor, a second BUILD on a filled record (after its fields
-    were checked), and a record created but never filled are all refused."""
-    state = b"}" + text("prefix") + text("../x") + b"s"
-    prefix = stack_glob("torch.distributed.checkpoint.filesystem", "_StoragePrefix")
+def _metadata_with_storage(path_after: str | None) -> bytes:
+    """A `Metadata` with one storage record, whose path is "a"; with `path_after`, that record
+    is fetched from the memo after the Metadata was built and BUILT again with that path."""
+    fs = "torch.distributed.checkpoint.filesystem"
+
+    def fields(*pairs: bytes) -> bytes:
+        return b"}(" + b"".join(pairs) + b"u" + BUILD
+
+    def info(path: str) -> bytes:
+        zero = b"K\x00"
+        return fields(
+            text("relative_path") + text(path), text("offset") + zero, text("length") + zero
+        )
+
+    index = (
+        stack_glob(DCP_MD, "MetadataIndex") + EMPTY_TUPLE + NEWOBJ + fields(text("fqn") + text("w"))
+    )
+    record = stack_glob(fs, "_StorageInfo") + EMPTY_TUPLE + NEWOBJ + b"q\x01" + info("a")
+    storage = b"}" + index + record + b"s"
+    body = stack_glob(DCP_MD, "Metadata") + EMPTY_TUPLE + NEWOBJ
+    body += fields(text("state_dict_metadata") + b"}", text("storage_data") + storage)
+    if path_after is not None:
+        body += b"h\x01" + info(path_after) + POP
+    return program(body, protocol=4)
+
+
+def test_a_record_is_checked_as_it_ends_up_not_as_it_was_first_built():
+    read = load_dcp_metadata(_metadata_with_storage(None), "md")
+    assert [i.relative_path for i in read.storage_data.values()] == ["a"]
+    assert type(read).__module__ == DCP_MD  # DCP's own classes, not trainckpt's stand-ins
+    with pytest.raises(UnsafeCheckpointError, match="relative_path.*outside the checkpoint"):
+        load_dcp_metadata(_metadata_with_storage("../x"), "md")
+
+
+def test_build_cannot_change_an_allowed_callable_and_records_stay_in_their_fields():
+    """BUILD on a checking constructor; a record (or record class) anywhere but where DCP's
+    `Metadata` declares one; a record called with arguments: all refused."""
+    chunk = stack_glob(DCP_MD, "ChunkStorageMetadata")
     cases = {
         "callable": (glob("collections", "OrderedDict") + b"}" + BUILD, "BUILD of"),
-        "second BUILD": (
-            prefix
-            + EMPTY_TUPLE
-            + NEWOBJ
-            + b"}"
-            + text("prefix")
-            + text("p")
-            + b"s"
-            + BUILD
-            + state
-            + BUILD,
-            "second BUILD",
-        ),
-        "never filled": (prefix + EMPTY_TUPLE + NEWOBJ, "without their state"),
-        "called": (prefix + MARK + text("p") + b"tR", "created with arguments"),
-        "wrong field type": (
-            stack_glob(DCP_MD, "ChunkStorageMetadata")
+        "record outside": (chunk + EMPTY_TUPLE + NEWOBJ, "ChunkStorageMetadata record outside"),
+        "class outside": (b"]" + chunk + b"a", "ChunkStorageMetadata record outside"),
+        "in planner data": (
+            stack_glob(DCP_MD, "Metadata")
             + EMPTY_TUPLE
             + NEWOBJ
             + b"}("
-            + text("offsets")
-            + text("x")
-            + text("sizes")
-            + text("y")
+            + text("state_dict_metadata")
+            + b"}"
+            + text("planner_data")
+            + chunk
+            + EMPTY_TUPLE
+            + NEWOBJ
             + b"ub",
-            "ChunkStorageMetadata.offsets",
+            "ChunkStorageMetadata record outside",
         ),
+        "called": (chunk + MARK + text("p") + b"tR", "called"),
     }
     for body, match in cases.values():
         with pytest.raises(UnsafeCheckpointError, match=match):

@@ -4,34 +4,35 @@ NEWOBJ, INST, OBJ, and BUILD's `__setstate__`), and everything on its stack that
 data (numbers, text, bytes, tuples, lists, dicts, sets) came from `find_class`, that is from
 `AllowList.find`. So this table is the whole boundary:
 
-- torch's `Size` and `device` and its dtypes are immutable C types and values: calling
-  `Size`/`device` builds only a size or a device (they refuse anything else), and BUILD can set
-  nothing on them.
-- Every other callable is a `Checked` stand-in: it checks its arguments before it builds an
-  `OrderedDict`, a set, a pure path, a layout or a memory format, and refuses BUILD (so the
-  pickle can change nothing of it, nor any function of torch's).
-- DCP's record dataclasses are per-load stand-in subclasses: created empty (NEWOBJ, or
-  INST/OBJ without arguments), then filled exactly once by BUILD through their `__setstate__`,
-  which checks every declared field's type (and keeps storage paths inside the folder) first.
-  `AllowList.finish` refuses a record never filled, and turns each filled one into DCP's own
-  class once the pickle has run (so no later BUILD can change a checked record).
+- torch's `Size` and its dtypes are immutable C types and values: calling `Size` builds only a
+  size of integers, and BUILD can set nothing on them.
+- Every other callable is a `Checked` stand-in: it checks its arguments before it builds a
+  device, an `OrderedDict`, a set, a pure path, a layout or a memory format, and refuses BUILD
+  (so the pickle can change nothing of it, nor any function of torch's).
+- DCP's record dataclasses are per-load subclasses (`Records`) that run no code of their own
+  while the pickle runs (so the C unpickler builds them at its own speed; only
+  `TensorProperties` keeps DCP's `__setstate__`, which assigns its five fields) and refuse to be
+  called with arguments. `AllowList.finish` then checks every record where DCP's `Metadata`
+  declares one, field by field and column by column (each field's types with C-speed set
+  operations, storage paths inside the folder), turns each into DCP's own class, and refuses
+  the load if any record (or record class) is left anywhere else: by the stand-in classes'
+  reference counts, so nothing has to be searched.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import pathlib
+import sys
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from itertools import product, repeat
+from itertools import chain, repeat
+from operator import attrgetter, methodcaller
 from typing import Any, NamedTuple
 
 import torch
 
 from trainckpt.format.safe_unpickle.refusal import Refused, short
-
-Check = Callable[[Any], bool]
-NONE = type(None)
 
 
 class Checked:
@@ -65,107 +66,99 @@ def _parts_ok(*args: Any) -> bool:
 
 
 class Field(NamedTuple):
-    """What a record's field may hold: a value of exactly one of `kinds` (any value where
-    None), and where given, for which `ok(value)` holds too."""
+    """What a record's field may hold: a value of exactly one of `kinds` (any where None);
+    where given, `ok(column)` must hold too for the column of that field over all records
+    (values of those kinds)."""
 
-    kinds: tuple[type, ...] | None
-    ok: Check | None = None
+    kinds: tuple[Any, ...] | None
+    ok: Callable[[list[Any]], bool] | None = None
     why: str = ""
 
 
-def _all(kind: Any) -> Check:
-    """Items (of a list or tuple) all exactly `kind`, checked at C speed."""
-    return lambda v: set(map(type, v)) <= {kind}
-
-
-def _mapping(keys: Any, values: Any) -> Check:
-    """A dict whose keys are all exactly `keys` and values all in `values`."""
-    return lambda v: set(map(type, v)) <= {keys} and set(map(type, v.values())) <= values
-
-
-def _inside_folder(path: str) -> bool:
-    """A storage record's file: relative, never `..` (DCP's reader joins it to the folder)."""
-    return (
-        path != ""
-        and path[0] not in "/\\"
-        and (".." not in path or ".." not in path.replace("\\", "/").split("/"))
+def _items(kinds: Any) -> Callable[[list[Any]], bool]:
+    """Each value that is a list or tuple holds only items of exactly `kinds`."""
+    return lambda col: (
+        set(map(type, chain.from_iterable(filter(None, col))))  # None or a list or tuple
+        <= set(kinds)
     )
 
 
-def _natural(v: int) -> bool:
-    return v >= 0
+def _inside_folder(paths: list[str]) -> bool:
+    """Storage records' files: relative, never `..` (DCP's reader joins them to the folder)."""
+    if not paths:
+        return True
+    if min(map(len, paths)) == 0 or any(map(methodcaller("startswith", ("/", "\\")), paths)):
+        return False
+    dotted = filter(methodcaller("__contains__", ".."), paths)  # rare: checked exactly
+    return not any(".." in p.replace("\\", "/").split("/") for p in dotted)
+
+
+def _natural(col: list[int]) -> bool:
+    return not col or min(col) >= 0
 
 
 class AllowList:
-    """The globals of one load: `find` is the unpickler's `find_class`; `finish` checks and
-    completes what the records' stand-ins built. One per load (it counts that load's records)."""
+    """The globals of one load: `find` is the unpickler's `find_class`; `finish` checks the
+    records the pickle built. One per load."""
 
     def __init__(self) -> None:
         from torch.distributed.checkpoint import filesystem as fs
         from torch.distributed.checkpoint import metadata as md
 
-        self.created = 0  # records created by the pickle
-        self.filled: dict[type, list[Any]] = {}  # DCP's class -> its records filled so far
-        done: dict[type, type] = {}  # DCP's class -> the type of its filled records
+        self.md, self.fs = md, fs
         encodings = {e.value: e for e in md._MEM_FORMAT_ENCODING}
         layouts = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
         paths = (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.PureWindowsPath)
-        size = torch.Size
-
-        def record(cls: type, **fields: Field) -> type:
-            """The stand-in for `cls` (whose fields are `fields`), and the type of its filled
-            records."""
-            done[cls] = type(f"Filled{cls.__name__}", (cls,), {"__slots__": (), **_FILLED})
-            return self._stand_in(cls, fields, done[cls])
-
-        chunk = record(md.ChunkStorageMetadata, offsets=Field((size,)), sizes=Field((size,)))
-        props = record(
-            md.TensorProperties,
-            dtype=Field((torch.dtype,)),
-            layout=Field((torch.layout,)),
-            requires_grad=Field((bool,)),
-            memory_format=Field((md._MEM_FORMAT_ENCODING,)),
-            pin_memory=Field((bool,)),
+        size, none = torch.Size, type(None)
+        self.fields: dict[type, dict[str, Field]] = {
+            md.ChunkStorageMetadata: {"offsets": Field((size,)), "sizes": Field((size,))},
+            md.TensorProperties: {
+                "dtype": Field((torch.dtype,)),
+                "layout": Field((torch.layout,)),
+                "requires_grad": Field((bool,)),
+                "memory_format": Field((torch.memory_format,)),
+                "pin_memory": Field((bool,)),
+            },
+            md.TensorStorageMetadata: {
+                "properties": Field(None),  # checked as TensorProperties records
+                "size": Field((size,)),
+                "chunks": Field((list,)),  # checked as ChunkStorageMetadata records
+            },
+            md.BytesStorageMetadata: {},
+            md.MetadataIndex: {
+                "fqn": Field((str,)),
+                "offset": Field((none, size)),
+                "index": Field((none, int)),
+            },
+            fs._StorageInfo: {
+                "relative_path": Field((str,), _inside_folder, " (outside the checkpoint folder)"),
+                "offset": Field((int,), _natural),
+                "length": Field((int,), _natural),
+                "transform_descriptors": Field((none, list, tuple), _items((str,))),
+            },
+            md.StorageMeta: {
+                "checkpoint_id": Field((none, str, *paths)),
+                "save_id": Field((none, str)),
+                "load_id": Field((none, str)),
+                "modules": Field((list,), _items((str,))),
+            },
+            md.Metadata: {
+                "state_dict_metadata": Field((dict,)),  # checked as records
+                "planner_data": Field(None),  # any data: each planner keeps its own
+                "storage_data": Field((none, dict)),  # checked as records
+                "storage_meta": Field(None),  # checked as a StorageMeta record
+                "version": Field((none, str)),
+            },
+        }
+        self.stand_in = {cls: _stand_in(cls) for cls in self.fields}
+        st = self.stand_in
+        metadata, tensor = st[md.Metadata], st[md.TensorStorageMetadata]
+        chunk, props, storage_meta = (
+            st[md.ChunkStorageMetadata],
+            st[md.TensorProperties],
+            st[md.StorageMeta],
         )
-        tensor = record(
-            md.TensorStorageMetadata,
-            properties=Field((done[md.TensorProperties],)),
-            size=Field((size,)),
-            chunks=Field((list,), _all(done[md.ChunkStorageMetadata])),
-        )
-        blob = record(md.BytesStorageMetadata)
-        index = record(
-            md.MetadataIndex,
-            fqn=Field((str,)),
-            offset=Field((NONE, size)),
-            index=Field((NONE, int)),
-        )
-        info = record(
-            fs._StorageInfo,
-            relative_path=Field((str,), _inside_folder, " (outside the checkpoint folder)"),
-            offset=Field((int,), _natural),
-            length=Field((int,), _natural),
-            transform_descriptors=Field((NONE, list, tuple), lambda v: v is None or _all(str)(v)),
-        )
-        prefix = record(fs._StoragePrefix, prefix=Field((str,)))
-        storage_meta = record(
-            md.StorageMeta,
-            checkpoint_id=Field((NONE, str, *paths)),
-            save_id=Field((NONE, str)),
-            load_id=Field((NONE, str)),
-            modules=Field((list,), _all(str)),
-        )
-        entries = _mapping(str, {done[md.TensorStorageMetadata], done[md.BytesStorageMetadata]})
-        storage = _mapping(done[md.MetadataIndex], {done[fs._StorageInfo]})
-        metadata = record(
-            md.Metadata,
-            state_dict_metadata=Field((dict,), entries),
-            planner_data=Field(None),  # any data: each planner keeps its own
-            storage_data=Field((NONE, dict), lambda v: v is None or storage(v)),
-            storage_meta=Field((NONE, done[md.StorageMeta])),
-            version=Field((NONE, str)),
-        )
-        self.real = {filled: cls for cls, filled in done.items()}
+        index, info, blob = st[md.MetadataIndex], st[fs._StorageInfo], st[md.BytesStorageMetadata]
         dcp, olmo = "torch.distributed.checkpoint.metadata", "olmo_core.distributed.checkpoint"
         self.table: dict[tuple[str, str], Any] = {
             # DCP's records, as DCP and OLMo-core (its own copies of the storage records) write them
@@ -177,9 +170,7 @@ class AllowList:
             (dcp, "StorageMeta"): storage_meta,
             (dcp, "MetadataIndex"): index,
             ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): info,
-            ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"): prefix,
             (f"{olmo}.filesystem", "_StorageInfo"): info,
-            (f"{olmo}.filesystem", "_StoragePrefix"): prefix,
             # immutable C types that build only their own values
             ("torch", "Size"): torch.Size,
             ("torch", "device"): Checked("torch.device", torch.device, _device_ok),
@@ -202,8 +193,13 @@ class AllowList:
             if isinstance(value, torch.dtype):  # immutable values
                 self.table[("torch", name)] = value
 
+        self.checked: dict[type, list[Any]] = {cls: [] for cls in self.fields}
+        self.references: dict[type, int] | None = None  # of the stand-ins, at the first `find`
+
     def find(self, module: str, name: str) -> Any:
         """The global (module, name) if the table has exactly it: no dotted-name walk, no import."""
+        if self.references is None:
+            self.references = {cls: sys.getrefcount(s) for cls, s in self.stand_in.items()}
         try:
             return self.table[(module, name)]
         except (KeyError, TypeError):
@@ -212,115 +208,85 @@ class AllowList:
                 "torch sizes/dtypes/layouts/devices or plain containers)"
             ) from None
 
-    def finish(self) -> None:
-        """After the pickle ran: refuse a record created but never filled; make every filled
-        record an instance of DCP's own class."""
-        filled = sum(map(len, self.filled.values()))
-        if filled != self.created:
-            raise Refused(f"{self.created - filled} DCP record(s) without their state")
-        for cls, records in self.filled.items():
+    def finish(self, result: Any) -> None:
+        """After the pickle ran (and its unpickler is gone): check every record of the
+        `Metadata` `result` (if it is one), make each DCP's own class, and refuse a record or
+        record class anywhere else."""
+        if type(result) is self.stand_in[self.md.Metadata]:
+            self._check_metadata(result)
+        for cls, records in self.checked.items():
             deque(map(object.__setattr__, records, repeat("__class__"), repeat(cls)), maxlen=0)
+        for cls, stand_in in self.stand_in.items():
+            # What refers to a stand-in now: the table, and any record or class left unchecked.
+            if self.references and sys.getrefcount(stand_in) != self.references[cls]:
+                raise Refused(f"a {cls.__qualname__} record outside DCP's Metadata fields")
 
-    def _stand_in(self, cls: type, fields: dict[str, Field], filled_type: type) -> type:
-        """A subclass of DCP's record `cls` that pickle may create (counted) and fill once."""
-        order = tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
-        assert set(order) == set(fields), cls
-        names = frozenset(order)
-        defaults: dict[str, Any] = {}
+    def _check_metadata(self, metadata: Any) -> None:
+        """Check the records of `metadata` where DCP's `Metadata` declares them."""
+        md, fs = self.md, self.fs
+        self._check(md.Metadata, [metadata])
+        entries = metadata.state_dict_metadata
+        self._types("Metadata.state_dict_metadata keys", entries, {str})
+        values = list(entries.values())
+        tensor = self.stand_in[md.TensorStorageMetadata]
+        blob = self.stand_in[md.BytesStorageMetadata]
+        self._types("Metadata.state_dict_metadata values", values, {tensor, blob})
+        self._check(md.BytesStorageMetadata, [v for v in values if type(v) is blob])
+        tensors = [v for v in values if type(v) is tensor]
+        self._check(md.TensorStorageMetadata, tensors)
+        self._check(md.TensorProperties, list(map(attrgetter("properties"), tensors)))
+        chunks = list(chain.from_iterable(map(attrgetter("chunks"), tensors)))
+        self._check(md.ChunkStorageMetadata, chunks)
+        if metadata.storage_data is not None:
+            self._check(md.MetadataIndex, list(metadata.storage_data))
+            self._check(fs._StorageInfo, list(metadata.storage_data.values()))
+        if metadata.storage_meta is not None:
+            self._check(md.StorageMeta, [metadata.storage_meta])
+
+    def _types(self, what: str, values: Any, kinds: set[Any]) -> None:
+        found = set(map(type, values))
+        if not found <= kinds:
+            raise Refused(f"{what} of type {short(sorted(t.__qualname__ for t in found - kinds))}")
+
+    def _check(self, cls: type, records: list[Any]) -> None:
+        """Check the records `records` of DCP's class `cls`, column by column. A field an
+        older writer did not have reads as its default, as in DCP."""
+        self._types(f"a {cls.__qualname__} record", records, {self.stand_in[cls]})
+        fields = self.fields[cls]
+        # The fields each record has, in their order: as many orders as writers (one or two).
+        unknown = set(chain.from_iterable(set(map(tuple, map(vars, records))))) - fields.keys()
+        if unknown:
+            raise Refused(f"{cls.__qualname__} with field(s) {short(sorted(map(str, unknown)))}")
         for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-            if f.default is not dataclasses.MISSING:
-                defaults[f.name] = f.default
-            elif f.default_factory is not dataclasses.MISSING:
-                defaults[f.name] = f.default_factory
-        typed = tuple(n for n in order if fields[n].kinds is not None)
-        signatures = frozenset(product(*(fields[n].kinds or () for n in typed)))
-        value_checks = tuple((n, f.ok) for n, f in fields.items() if f.ok is not None)
-        as_tuple = "__setstate__" in vars(cls)  # TensorProperties: its fields as a tuple
-        filled = self.filled.setdefault(cls, [])
-        load = self
-
-        def complete(state: dict[str, Any]) -> dict[str, Any]:
-            """`state` with the defaults of the fields it lacks; refuses unknown fields."""
-            if not names.issuperset(state):
-                raise Refused(f"{cls.__qualname__} state {short(state)} is not its fields")
-            missing = sorted(names - state.keys() - defaults.keys())
-            if missing:
-                raise Refused(f"{cls.__qualname__} without its field(s) {missing}")
-            made = {n: d() if callable(d) else d for n, d in defaults.items() if n not in state}
-            return {**state, **made}
-
-        def check(values: dict[str, Any]) -> None:
-            if tuple(map(type, map(values.__getitem__, typed))) in signatures:
-                for n, ok in value_checks:
-                    if not ok(values[n]):
-                        break
-                else:
-                    return
-            if True:
-                bad = [
-                    n
-                    for n, f in fields.items()
-                    if (f.kinds is not None and type(values[n]) not in f.kinds)
-                    or (f.ok is not None and not f.ok(values[n]))
-                ]
-                name = bad[0]
-                raise Refused(
-                    f"{cls.__qualname__}.{name} = {short(values[name])}{fields[name].why}"
-                )
-
-        def __new__(kind: type, *args: Any, **kwargs: Any) -> Any:
-            if args or kwargs:
-                raise Refused(f"{cls.__qualname__} created with arguments {short(args)}")
-            load.created += 1
-            if not names:  # nothing to fill (pickle writes no BUILD for it): filled now
-                inst: Any = object.__new__(filled_type)
-                filled.append(inst)
-                return inst
-            return object.__new__(kind)
-
-        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-            raise Refused(f"{cls.__qualname__} called (DCP's records are only built by BUILD)")
-
-        def __setstate__(self: Any, state: Any) -> None:
-            if type(self) is not stand_in:
-                raise Refused(f"BUILD of {short(self)} with {cls.__qualname__}'s state")
-            if as_tuple:  # TensorProperties: (dtype, layout, ..., memory format encoding, ...)
-                if type(state) is not tuple or len(state) != len(order):
-                    raise Refused(f"{cls.__qualname__} state {short(state)} is not its fields")
-                check(dict(zip(order, state, strict=True)))
-                object.__setattr__(self, "__class__", filled_type)
-                cls.__setstate__(self, state)  # type: ignore[attr-defined]  # DCP's own
-            else:
-                if type(state) is tuple and len(state) == 2 and state[1] is None:
-                    state = state[0]  # (dict, no slots)
-                if type(state) is not dict:
-                    raise Refused(f"{cls.__qualname__} state {short(state)} is not its fields")
-                if state.keys() != names:
-                    state = complete(state)
-                check(state)
-                object.__setattr__(self, "__class__", filled_type)
-                self.__dict__.update(state)
-            filled.append(self)
-
-        stand_in = type(
-            cls.__name__,
-            (cls,),
-            {
-                "__slots__": (),
-                "__new__": __new__,
-                "__init__": __init__,
-                "__setstate__": __setstate__,
-            },
-        )
-        return stand_in
+            if f.default_factory is not dataclasses.MISSING:  # no class attribute: fill in
+                for r in records:
+                    if f.name not in r.__dict__:
+                        r.__dict__[f.name] = f.default_factory()
+        for name, field in fields.items():
+            # Each record's own value, else the class attribute that is its default.
+            column = map(getattr, records, repeat(name))
+            if field.ok is not None:
+                column = list(column)  # type: ignore[assignment]
+            try:
+                if field.kinds is not None:
+                    self._types(f"{cls.__qualname__}.{name}", column, set(field.kinds))
+                elif field.ok is None:
+                    deque(column, maxlen=0)
+            except AttributeError:
+                raise Refused(f"{cls.__qualname__} without its field {name!r}") from None
+            if field.ok is not None and not field.ok(column):  # type: ignore[arg-type]
+                raise Refused(f"{cls.__qualname__}.{name}: a value{field.why}")
+        self.checked[cls].extend(records)
 
 
-def _refill(self: Any, state: Any) -> None:
-    raise Refused(f"a second BUILD of {type(self).__bases__[0].__qualname__}")
+def _refuse_call(self: Any, *args: Any, **kwargs: Any) -> None:
+    raise Refused(f"{type(self).__qualname__} called (DCP's records are only built by BUILD)")
 
 
-_FILLED = {"__setstate__": _refill}
-"""A filled record refuses any further BUILD until `finish` makes it DCP's own class."""
+def _stand_in(cls: type) -> type:
+    """A subclass of DCP's record `cls` for one load: no code of its own but a refusal to be
+    called with arguments (pickle builds records by NEWOBJ and BUILD, not by calling them)."""
+    return type(cls.__name__, (cls,), {"__slots__": (), "__init__": _refuse_call})
 
 
 def _device_ok(*args: Any) -> bool:

@@ -69,8 +69,8 @@ def load_dcp_metadata(data: bytes, where: str) -> Any:
     try:
         _refuse_extension_codes(data)
         allowed = AllowList()
-        result = _Unpickler(data, allowed).load()
-        allowed.finish()
+        result = _Unpickler(data, allowed).load()  # the unpickler (and its memo) is gone after
+        allowed.finish(result)
         return result
     except Refused as e:
         raise UnsafeCheckpointError(
