@@ -9,14 +9,15 @@ data (numbers, text, bytes, tuples, lists, dicts, sets) came from `find_class`, 
 - Every other callable is a `Checked` stand-in: it checks its arguments before it builds a
   device, an `OrderedDict`, a set, a pure path, a layout or a memory format, and refuses BUILD
   (so the pickle can change nothing of it, nor any function of torch's).
-- DCP's record dataclasses are per-load subclasses (`Records`) that run no code of their own
-  while the pickle runs (so the C unpickler builds them at its own speed; only
-  `TensorProperties` keeps DCP's `__setstate__`, which assigns its five fields) and refuse to be
-  called with arguments. `AllowList.finish` then checks every record where DCP's `Metadata`
-  declares one, field by field and column by column (each field's types with C-speed set
-  operations, storage paths inside the folder), turns each into DCP's own class, and refuses
-  the load if any record (or record class) is left anywhere else: by the stand-in classes'
-  reference counts, so nothing has to be searched.
+- DCP's record dataclasses are per-load subclasses (`_stand_in`) that run no code of their own
+  while the pickle runs, so the C unpickler builds them at its own speed (only
+  `TensorProperties` keeps DCP's `__setstate__`, which assigns its five fields), and that refuse
+  to be called with arguments. Then `AllowList.finish` checks every record where DCP's
+  `Metadata` declares one, field by field and column by column (exact types with C-speed set
+  operations, storage paths inside the folder), so a record is checked as it finally stands,
+  however often the pickle rebuilt it. It makes each DCP's own class and refuses the load if a
+  record (or a record class) is left anywhere else, seen from the stand-in classes' reference
+  counts without a search.
 """
 
 from __future__ import annotations
