@@ -28,7 +28,7 @@ import sys
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from itertools import chain, repeat
-from operator import attrgetter, methodcaller
+from operator import attrgetter, itemgetter, methodcaller
 from typing import Any, NamedTuple
 
 import torch
@@ -249,33 +249,44 @@ class AllowList:
         if not found <= kinds:
             raise Refused(f"{what} of type {short(sorted(t.__qualname__ for t in found - kinds))}")
 
+    def _complete(self, cls: type, records: list[Any], dicts: list[dict[str, Any]]) -> None:
+        """Refuse a field `cls` does not have; fill in the fields with a default factory
+        (which have no class attribute to read)."""
+        unknown = set(chain.from_iterable(set(map(tuple, dicts)))) - self.fields[cls].keys()
+        if unknown:
+            raise Refused(f"{cls.__qualname__} with field(s) {short(sorted(map(str, unknown)))}")
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            if f.default_factory is not dataclasses.MISSING:
+                for d in dicts:
+                    if f.name not in d:
+                        d[f.name] = f.default_factory()
+
     def _check(self, cls: type, records: list[Any]) -> None:
         """Check the records `records` of DCP's class `cls`, column by column. A field an
         older writer did not have reads as its default, as in DCP."""
         self._types(f"a {cls.__qualname__} record", records, {self.stand_in[cls]})
         fields = self.fields[cls]
-        # The fields each record has, in their order: as many orders as writers (one or two).
-        unknown = set(chain.from_iterable(set(map(tuple, map(vars, records))))) - fields.keys()
-        if unknown:
-            raise Refused(f"{cls.__qualname__} with field(s) {short(sorted(map(str, unknown)))}")
-        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-            if f.default_factory is not dataclasses.MISSING:  # no class attribute: fill in
-                for r in records:
-                    if f.name not in r.__dict__:
-                        r.__dict__[f.name] = f.default_factory()
+        dicts: list[dict[str, Any]] = list(map(vars, records))  # type: ignore[arg-type]
+        if set(map(len, dicts)) == {len(fields)}:
+            # As many values as fields: if each field is found in every dict, that is all.
+            read = lambda name: map(itemgetter(name), dicts)  # noqa: E731
+            missing: type[Exception] = KeyError
+        else:  # an older writer lacked a field (its default is read), or a crafted record
+            self._complete(cls, records, dicts)
+            read = lambda name: map(getattr, records, repeat(name))  # noqa: E731
+            missing = AttributeError
         for name, field in fields.items():
-            # Each record's own value, else the class attribute that is its default.
-            column = map(getattr, records, repeat(name))
-            if field.ok is not None:
-                column = list(column)  # type: ignore[assignment]
+            column: Any = read(name)
             try:
+                if field.ok is not None:
+                    column = list(column)
                 if field.kinds is not None:
                     self._types(f"{cls.__qualname__}.{name}", column, set(field.kinds))
                 elif field.ok is None:
                     deque(column, maxlen=0)
-            except AttributeError:
+            except missing:
                 raise Refused(f"{cls.__qualname__} without its field {name!r}") from None
-            if field.ok is not None and not field.ok(column):  # type: ignore[arg-type]
+            if field.ok is not None and not field.ok(column):
                 raise Refused(f"{cls.__qualname__}.{name}: a value{field.why}")
         self.checked[cls].extend(records)
 
