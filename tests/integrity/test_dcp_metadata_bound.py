@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from trainckpt import CorruptCheckpointError
-from trainckpt.errors import UnsafeCheckpointError
 from trainckpt.format import dcp_metadata, records
 from trainckpt.storage import resolve
 
@@ -38,7 +37,7 @@ def test_a_metadata_past_the_floor_is_read_when_the_shards_are_large_enough(
 ) -> None:
     folder = _folder(tmp_path, metadata_bytes=3 * FLOOR, shard_bytes=FLOOR)  # bound: 5x floor
     storage, path = resolve(str(folder))
-    with pytest.raises(UnsafeCheckpointError, match="not a data opcode"):
+    with pytest.raises(CorruptCheckpointError, match="cannot be read as DCP metadata"):
         dcp_metadata.read_dcp_metadata(storage, path)  # read (and found not to be DCP's)
 
 

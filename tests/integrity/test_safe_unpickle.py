@@ -109,3 +109,18 @@ def test_a_memory_mapped_file_loads_and_is_refused_as_its_bytes_are(tmp_path: Pa
     torn.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     with pytest.raises(CorruptCheckpointError, match="torn is damaged"):
         load_torch_plain(torn, "torn")
+
+
+def test_a_field_an_older_writer_did_not_have_reads_as_its_default(metadata_bytes):
+    """An older DCP pickled `_StorageInfo` without `transform_descriptors`, `StorageMeta`
+    without `modules`: they read as DCP's defaults; an extra field is refused."""
+    md = pickle.loads(metadata_bytes)
+    for info in md.storage_data.values():
+        info.__dict__.pop("transform_descriptors", None)
+    del md.storage_meta.__dict__["modules"]
+    read = load_dcp_metadata(pickle.dumps(md), "md")
+    assert {i.transform_descriptors for i in read.storage_data.values()} == {None}
+    assert read.storage_meta.modules == []
+    next(iter(md.storage_data.values())).__dict__["extra"] = 1
+    with pytest.raises(UnsafeCheckpointError, match=r"_StorageInfo with field\(s\) \['extra'\]"):
+        load_dcp_metadata(pickle.dumps(md), "md")

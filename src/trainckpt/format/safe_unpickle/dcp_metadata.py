@@ -1,54 +1,84 @@
 """DCP's `.metadata` (a plain protocol-2..5 pickle, which PyTorch's `weights_only` unpickler
-cannot read): `load_dcp_metadata` runs it opcode by opcode through the dispatch table of
-`dcp_opcodes`, whose globals are the exact table of `dcp_globals`."""
+cannot read): `load_dcp_metadata` runs CPython's C unpickler with `find_class` restricted to
+the allow-list of `dcp_allow_list` (the Python docs' "Restricting Globals"). What else that
+unpickler can reach is closed here:
+
+- persistent ids (PERSID, BINPERSID): `persistent_load` refuses them;
+- out-of-band buffers (NEXT_BUFFER): the unpickler's buffers refuse to give one;
+- extension codes (EXT1/2/4): the unpickler takes them from copyreg's process-wide registry
+  and its cache, the cache without asking `find_class`. While the registry or the cache holds
+  anything, the pickle's opcodes are scanned first and one naming an extension code is refused;
+  with both empty (as Python starts), an extension code is an error of the unpickler.
+
+Everything else the C unpickler does builds data only: its memory is at most a constant times
+the file's size (the file is bounded, `records.dcp_metadata_bound`), and it keeps no recursion
+(deep nesting costs no stack).
+"""
 
 from __future__ import annotations
 
+import copyreg
 import gc
+import io
+import pickle
+import pickletools
 from typing import Any
 
 from trainckpt.errors import CorruptCheckpointError, UnsafeCheckpointError
-from trainckpt.format.safe_unpickle.dcp_globals import DcpGlobals, dcp_globals
-from trainckpt.format.safe_unpickle.dcp_machine import Machine, Malformed
-from trainckpt.format.safe_unpickle.dcp_opcodes import DISPATCH
+from trainckpt.format.safe_unpickle.dcp_allow_list import AllowList
 from trainckpt.format.safe_unpickle.refusal import Refused, short
 
 
-def run(data: bytes, admitted: DcpGlobals) -> Any:
-    """The object the pickle program in `data` builds. Raises `Refused` for anything the
-    tables do not admit and `Malformed` (or the IndexError/KeyError of a stack or memo misuse)
-    for a broken program."""
-    m = Machine(data, admitted)
-    dispatch = DISPATCH
-    try:
-        while True:
-            op = data[m.pos]
-            m.pos += 1
-            done = dispatch[op](m)
-            if done is not None:
-                return done[0]
-    except IndexError:
-        if m.pos >= len(data):
-            raise Malformed("truncated") from None
-        raise
+class _NoBuffers:
+    """The out-of-band buffers of a `.metadata`: none (DCP writes its pickle in one piece)."""
+
+    def __iter__(self) -> _NoBuffers:
+        return self
+
+    def __next__(self) -> Any:
+        raise Refused("opcode NEXT_BUFFER (its data lies outside the pickle)")
+
+
+class _Unpickler(pickle.Unpickler):
+    """The C unpickler, with globals from `allowed` only and no persistent ids."""
+
+    def __init__(self, data: bytes, allowed: AllowList) -> None:
+        super().__init__(io.BytesIO(data), buffers=_NoBuffers())
+        self.find_class = allowed.find  # type: ignore[method-assign]
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise Refused(f"persistent id {short(pid)} (an object outside the pickle)")
+
+
+def _refuse_extension_codes(data: bytes) -> None:
+    """Refuse EXT1/2/4 while copyreg's registry or cache could answer one (see the module)."""
+    if not (copyreg._inverted_registry or copyreg._extension_cache):  # type: ignore[attr-defined]
+        return
+    for op, _arg, pos in pickletools.genops(data):
+        if op.name in ("EXT1", "EXT2", "EXT4"):
+            raise Refused(f"opcode {op.name} at byte {pos} (an extension code of copyreg)")
 
 
 def load_dcp_metadata(data: bytes, where: str) -> Any:
-    """The object DCP pickled into its `.metadata` file `where`, read by `run` (which
-    builds only DCP's records, torch sizes/dtypes/layouts/devices and plain containers).
-    Raises `UnsafeCheckpointError` for anything else, `CorruptCheckpointError` for a broken
-    pickle. Called on: whichever ranks read the metadata."""
+    """The object DCP pickled into its `.metadata` file `where`: DCP's records (each field
+    checked), torch sizes/dtypes/layouts/devices and plain containers. Raises
+    `UnsafeCheckpointError` for anything else, `CorruptCheckpointError` for a broken pickle.
+    Called on: whichever ranks read the metadata."""
     collecting = gc.isenabled()
-    gc.disable()  # a big metadata is ~100k young objects: collections would dominate the read
+    gc.disable()  # a big metadata is millions of young objects: collections would dominate
     try:
-        return run(data, dcp_globals())
+        _refuse_extension_codes(data)
+        allowed = AllowList()
+        result = _Unpickler(data, allowed).load()  # the unpickler (and its memo) is gone after
+        allowed.finish(result)
+        return result
     except Refused as e:
         raise UnsafeCheckpointError(
             f"{where}: DCP metadata asks for {e}, which trainckpt does not load (it could run "
             "code); nothing from it was run. The checkpoint was crafted or is not a plain DCP "
             "checkpoint: load an older checkpoint or restore it from a trusted copy"
         ) from e
-    except Exception as e:  # a broken program: truncated, stack or memo misuse
+    except Exception as e:  # a broken pickle: truncated, stack or memo misuse, bad values
         raise CorruptCheckpointError(
             f"{where} cannot be read as DCP metadata ({type(e).__name__}: {short(str(e))}); "
             "the checkpoint is damaged: restore it from a copy or use an older checkpoint"

@@ -1,0 +1,310 @@
+"""The only globals a DCP `.metadata` pickle may name, and why each is safe to hand to
+CPython's C unpickler (`dcp_metadata`). That unpickler calls whatever is on its stack (REDUCE,
+NEWOBJ, INST, OBJ, and BUILD's `__setstate__`), and everything on its stack that is not plain
+data (numbers, text, bytes, tuples, lists, dicts, sets) came from `find_class`, that is from
+`AllowList.find`. So this table is the whole boundary:
+
+- torch's `Size` and its dtypes are immutable C types and values: calling `Size` builds only a
+  size of integers, and BUILD can set nothing on them.
+- Every other callable is a `Checked` stand-in: it checks its arguments before it builds a
+  device, an `OrderedDict`, a set, a pure path, a layout or a memory format, and refuses BUILD
+  (so the pickle can change nothing of it, nor any function of torch's).
+- DCP's record dataclasses are per-load subclasses (`_stand_in`) that run no code of their own
+  while the pickle runs, so the C unpickler builds them at its own speed (only
+  `TensorProperties` keeps DCP's `__setstate__`, which assigns its five fields), and that refuse
+  to be called with arguments. Then `AllowList.finish` checks every record where DCP's
+  `Metadata` declares one, field by field and column by column (exact types with C-speed set
+  operations, storage paths inside the folder), so a record is checked as it finally stands,
+  however often the pickle rebuilt it. It makes each DCP's own class and refuses the load if a
+  record (or a record class) is left anywhere else, seen from the stand-in classes' reference
+  counts without a search.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import sys
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from itertools import chain, repeat
+from operator import attrgetter, itemgetter, methodcaller
+from typing import Any, NamedTuple
+
+import torch
+
+from trainckpt.format.safe_unpickle.refusal import Refused, short
+
+
+class Checked:
+    """A callable the pickle may name: `make(*args)` once `ok(*args)`; refuses BUILD."""
+
+    __slots__ = ("name", "make", "ok")
+
+    def __init__(self, name: str, make: Callable[..., Any], ok: Callable[..., bool]) -> None:
+        self.name, self.make, self.ok = name, make, ok
+
+    def __call__(self, *args: Any) -> Any:
+        if not self.ok(*args):
+            raise Refused(f"{self.name}{short(args)}")
+        return self.make(*args)
+
+    def __setstate__(self, state: Any) -> None:
+        raise Refused(f"BUILD of {self.name} (setting state on an allowed callable)")
+
+
+def _items_ok(*args: Any) -> bool:
+    """() or one list/tuple (of an OrderedDict's pairs, a set's items)."""
+    return not args or (len(args) == 1 and type(args[0]) in (list, tuple))
+
+
+def _pairs_ok(*args: Any) -> bool:
+    return _items_ok(*args) and all(type(p) is tuple and len(p) == 2 for p in (args or [()])[0])
+
+
+def _parts_ok(*args: Any) -> bool:
+    return all(type(a) is str for a in args)
+
+
+class Field(NamedTuple):
+    """What a record's field may hold: a value of exactly one of `kinds` (any where None);
+    where given, `ok(column)` must hold too for the column of that field over all records
+    (values of those kinds)."""
+
+    kinds: tuple[Any, ...] | None
+    ok: Callable[[list[Any]], bool] | None = None
+    why: str = ""
+
+
+def _items(kinds: Any) -> Callable[[list[Any]], bool]:
+    """Each value that is a list or tuple holds only items of exactly `kinds`."""
+    return lambda col: (
+        set(map(type, chain.from_iterable(filter(None, col))))  # None or a list or tuple
+        <= set(kinds)
+    )
+
+
+def _inside_folder(paths: list[str]) -> bool:
+    """Storage records' files: relative, never `..` (DCP's reader joins them to the folder)."""
+    if not paths:
+        return True
+    if min(map(len, paths)) == 0 or any(map(methodcaller("startswith", ("/", "\\")), paths)):
+        return False
+    dotted = filter(methodcaller("__contains__", ".."), paths)  # rare: checked exactly
+    return not any(".." in p.replace("\\", "/").split("/") for p in dotted)
+
+
+def _natural(col: list[int]) -> bool:
+    return not col or min(col) >= 0
+
+
+class AllowList:
+    """The globals of one load: `find` is the unpickler's `find_class`; `finish` checks the
+    records the pickle built. One per load."""
+
+    def __init__(self) -> None:
+        from torch.distributed.checkpoint import filesystem as fs
+        from torch.distributed.checkpoint import metadata as md
+
+        self.md, self.fs = md, fs
+        encodings = {e.value: e for e in md._MEM_FORMAT_ENCODING}
+        layouts = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+        paths = (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.PureWindowsPath)
+        size, none = torch.Size, type(None)
+        self.fields: dict[type, dict[str, Field]] = {
+            md.ChunkStorageMetadata: {"offsets": Field((size,)), "sizes": Field((size,))},
+            md.TensorProperties: {
+                "dtype": Field((torch.dtype,)),
+                "layout": Field((torch.layout,)),
+                "requires_grad": Field((bool,)),
+                "memory_format": Field((torch.memory_format,)),
+                "pin_memory": Field((bool,)),
+            },
+            md.TensorStorageMetadata: {
+                "properties": Field(None),  # checked as TensorProperties records
+                "size": Field((size,)),
+                "chunks": Field((list,)),  # checked as ChunkStorageMetadata records
+            },
+            md.BytesStorageMetadata: {},
+            md.MetadataIndex: {
+                "fqn": Field((str,)),
+                "offset": Field((none, size)),
+                "index": Field((none, int)),
+            },
+            fs._StorageInfo: {
+                "relative_path": Field((str,), _inside_folder, " (outside the checkpoint folder)"),
+                "offset": Field((int,), _natural),
+                "length": Field((int,), _natural),
+                "transform_descriptors": Field((none, list, tuple), _items((str,))),
+            },
+            md.StorageMeta: {
+                "checkpoint_id": Field((none, str, *paths)),
+                "save_id": Field((none, str)),
+                "load_id": Field((none, str)),
+                "modules": Field((list,), _items((str,))),
+            },
+            md.Metadata: {
+                "state_dict_metadata": Field((dict,)),  # checked as records
+                "planner_data": Field(None),  # any data: each planner keeps its own
+                "storage_data": Field((none, dict)),  # checked as records
+                "storage_meta": Field(None),  # checked as a StorageMeta record
+                "version": Field((none, str)),
+            },
+        }
+        self.stand_in = {cls: _stand_in(cls) for cls in self.fields}
+        st = self.stand_in
+        metadata, tensor = st[md.Metadata], st[md.TensorStorageMetadata]
+        chunk, props, storage_meta = (
+            st[md.ChunkStorageMetadata],
+            st[md.TensorProperties],
+            st[md.StorageMeta],
+        )
+        index, info, blob = st[md.MetadataIndex], st[fs._StorageInfo], st[md.BytesStorageMetadata]
+        dcp, olmo = "torch.distributed.checkpoint.metadata", "olmo_core.distributed.checkpoint"
+        self.table: dict[tuple[str, str], Any] = {
+            # DCP's records, as DCP and OLMo-core (its own copies of the storage records) write them
+            (dcp, "Metadata"): metadata,
+            (dcp, "TensorStorageMetadata"): tensor,
+            (dcp, "BytesStorageMetadata"): blob,
+            (dcp, "ChunkStorageMetadata"): chunk,
+            (dcp, "TensorProperties"): props,
+            (dcp, "StorageMeta"): storage_meta,
+            (dcp, "MetadataIndex"): index,
+            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): info,
+            (f"{olmo}.filesystem", "_StorageInfo"): info,
+            # immutable C types that build only their own values
+            ("torch", "Size"): torch.Size,
+            ("torch", "device"): Checked("torch.device", torch.device, _device_ok),
+            # checking constructors
+            ("torch.serialization", "_get_layout"): Checked(
+                "torch layout", layouts.__getitem__, lambda *a: len(a) == 1 and a[0] in layouts
+            ),
+            (dcp, "_MEM_FORMAT_ENCODING"): Checked(
+                "memory format", encodings.__getitem__, lambda *a: len(a) == 1 and a[0] in encodings
+            ),
+            ("collections", "OrderedDict"): Checked(
+                "collections.OrderedDict", OrderedDict, _pairs_ok
+            ),
+            ("builtins", "set"): Checked("set", set, _items_ok),
+            ("builtins", "frozenset"): Checked("frozenset", frozenset, _items_ok),
+        }
+        for kind in paths:
+            self.table[("pathlib", kind.__name__)] = Checked(kind.__name__, kind, _parts_ok)
+        for name, value in vars(torch).items():
+            if isinstance(value, torch.dtype):  # immutable values
+                self.table[("torch", name)] = value
+
+        self.checked: dict[type, list[Any]] = {cls: [] for cls in self.fields}
+        self.references: dict[type, int] | None = None  # of the stand-ins, at the first `find`
+
+    def find(self, module: str, name: str) -> Any:
+        """The global (module, name) if the table has exactly it: no dotted-name walk, no import."""
+        if self.references is None:
+            self.references = {cls: sys.getrefcount(s) for cls, s in self.stand_in.items()}
+        try:
+            return self.table[(module, name)]
+        except (KeyError, TypeError):
+            raise Refused(
+                f"global {short(f'{module}.{name}')} (not one of DCP's records, "
+                "torch sizes/dtypes/layouts/devices or plain containers)"
+            ) from None
+
+    def finish(self, result: Any) -> None:
+        """After the pickle ran (and its unpickler is gone): check every record of the
+        `Metadata` `result` (if it is one), make each DCP's own class, and refuse a record or
+        record class anywhere else."""
+        if type(result) is self.stand_in[self.md.Metadata]:
+            self._check_metadata(result)
+        for cls, records in self.checked.items():
+            deque(map(object.__setattr__, records, repeat("__class__"), repeat(cls)), maxlen=0)
+        for cls, stand_in in self.stand_in.items():
+            # What refers to a stand-in now: the table, and any record or class left unchecked.
+            if self.references and sys.getrefcount(stand_in) != self.references[cls]:
+                raise Refused(f"a {cls.__qualname__} record outside DCP's Metadata fields")
+
+    def _check_metadata(self, metadata: Any) -> None:
+        """Check the records of `metadata` where DCP's `Metadata` declares them."""
+        md, fs = self.md, self.fs
+        self._check(md.Metadata, [metadata])
+        entries = metadata.state_dict_metadata
+        self._types("Metadata.state_dict_metadata keys", entries, {str})
+        values = list(entries.values())
+        tensor = self.stand_in[md.TensorStorageMetadata]
+        blob = self.stand_in[md.BytesStorageMetadata]
+        self._types("Metadata.state_dict_metadata values", values, {tensor, blob})
+        self._check(md.BytesStorageMetadata, [v for v in values if type(v) is blob])
+        tensors = [v for v in values if type(v) is tensor]
+        self._check(md.TensorStorageMetadata, tensors)
+        self._check(md.TensorProperties, list(map(attrgetter("properties"), tensors)))
+        chunks = list(chain.from_iterable(map(attrgetter("chunks"), tensors)))
+        self._check(md.ChunkStorageMetadata, chunks)
+        if metadata.storage_data is not None:
+            self._check(md.MetadataIndex, list(metadata.storage_data))
+            self._check(fs._StorageInfo, list(metadata.storage_data.values()))
+        if metadata.storage_meta is not None:
+            self._check(md.StorageMeta, [metadata.storage_meta])
+
+    def _types(self, what: str, values: Any, kinds: set[Any]) -> None:
+        found = set(map(type, values))
+        if not found <= kinds:
+            raise Refused(f"{what} of type {short(sorted(t.__qualname__ for t in found - kinds))}")
+
+    def _complete(self, cls: type, records: list[Any], dicts: list[dict[str, Any]]) -> None:
+        """Refuse a field `cls` does not have; fill in the fields with a default factory
+        (which have no class attribute to read)."""
+        unknown = set(chain.from_iterable(set(map(tuple, dicts)))) - self.fields[cls].keys()
+        if unknown:
+            raise Refused(f"{cls.__qualname__} with field(s) {short(sorted(map(str, unknown)))}")
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            if f.default_factory is not dataclasses.MISSING:
+                for d in dicts:
+                    if f.name not in d:
+                        d[f.name] = f.default_factory()
+
+    def _check(self, cls: type, records: list[Any]) -> None:
+        """Check the records `records` of DCP's class `cls`, column by column. A field an
+        older writer did not have reads as its default, as in DCP."""
+        self._types(f"a {cls.__qualname__} record", records, {self.stand_in[cls]})
+        fields = self.fields[cls]
+        dicts: list[dict[str, Any]] = list(map(vars, records))  # type: ignore[arg-type]
+        if set(map(len, dicts)) == {len(fields)}:
+            # As many values as fields: if each field is found in every dict, that is all.
+            read = lambda name: map(itemgetter(name), dicts)  # noqa: E731
+            missing: type[Exception] = KeyError
+        else:  # an older writer lacked a field (its default is read), or a crafted record
+            self._complete(cls, records, dicts)
+            read = lambda name: map(getattr, records, repeat(name))  # noqa: E731
+            missing = AttributeError
+        for name, field in fields.items():
+            column: Any = read(name)
+            try:
+                if field.ok is not None:
+                    column = list(column)
+                if field.kinds is not None:
+                    self._types(f"{cls.__qualname__}.{name}", column, set(field.kinds))
+                elif field.ok is None:
+                    deque(column, maxlen=0)
+            except missing:
+                raise Refused(f"{cls.__qualname__} without its field {name!r}") from None
+            if field.ok is not None and not field.ok(column):
+                raise Refused(f"{cls.__qualname__}.{name}: a value{field.why}")
+        self.checked[cls].extend(records)
+
+
+def _refuse_call(self: Any, *args: Any, **kwargs: Any) -> None:
+    raise Refused(f"{type(self).__qualname__} called (DCP's records are only built by BUILD)")
+
+
+def _stand_in(cls: type) -> type:
+    """A subclass of DCP's record `cls` for one load: no code of its own but a refusal to be
+    called with arguments (pickle builds records by NEWOBJ and BUILD, not by calling them)."""
+    return type(cls.__name__, (cls,), {"__slots__": (), "__init__": _refuse_call})
+
+
+def _device_ok(*args: Any) -> bool:
+    return (
+        1 <= len(args) <= 2
+        and type(args[0]) is str
+        and len(args[0]) <= 32
+        and (len(args) == 1 or type(args[1]) is int)
+    )
