@@ -14,6 +14,7 @@ from support.multiproc import run_ranks
 from trainckpt.core import plan_cache
 from trainckpt.core.dcp import load_full_state, save_state
 from trainckpt.errors import CheckpointError
+from trainckpt.format import metadata_files
 from trainckpt.format.dcp_metadata import read_dcp_metadata
 from trainckpt.storage import resolve
 
@@ -75,6 +76,39 @@ def test_a_failed_save_forgets_every_plan(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError):
         _save(state, tmp_path / "blocked" / "b")
     assert _save(state, tmp_path / "c") == PLANNED
+
+
+def _plain_dcp(folder: Path, like: dict[str, Any]) -> dict[str, Any]:
+    """`folder` read by plain DCP, which unpickles `.metadata` itself."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {
+        k: torch.empty_like(v) if isinstance(v, torch.Tensor) else None for k, v in like.items()
+    }
+    dcp.load(state, checkpoint_id=folder, no_dist=True)
+    return state
+
+
+def test_metadata_files_are_reused_only_while_every_item_keeps_its_place(tmp_path: Path) -> None:
+    plan_cache.forget()
+    metadata_files.forget()
+    state: dict[str, Any] = {"w": torch.randn(4, 8), "step": 3, "name": "a"}
+
+    def save(name: str) -> tuple[dict[str, int], str]:
+        before = dict(metadata_files.counts)
+        plans = _save(state, tmp_path / name)
+        (files,) = [k for k, v in metadata_files.counts.items() if v != before.get(k, 0)]
+        _same(_read(tmp_path / name), state)  # every item checked against its CRC32C
+        _same(_plain_dcp(tmp_path / name, state), state)
+        return plans, files
+
+    assert save("a") == (PLANNED, "encoded")
+    state["w"], state["step"] = torch.randn(4, 8), 4
+    assert save("b") == (REUSED, "reused")
+    state["name"] = "a" * 300  # a byte item of another length: same plan, items moved
+    assert save("c") == (REUSED, "encoded")
+    state["name"] = "b" * 300  # same length, other bytes: every item stays in place
+    assert save("d") == (REUSED, "reused")
 
 
 def _ranks_body(rank: int, world: int, root: str) -> list[dict[str, int]]:

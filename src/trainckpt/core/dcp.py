@@ -38,12 +38,11 @@ from trainckpt.core import dist, plan_cache
 from trainckpt.core.gc_pause import paused_gc
 from trainckpt.errors import CheckpointError, StorageError
 from trainckpt.format import plain_values, shard_checksums
-from trainckpt.format.layout import DCP_METADATA_FILE
 from trainckpt.format.safe_unpickle import load_torch_plain
 from trainckpt.format.shard_reader import ParallelReader
 from trainckpt.format.shard_writer import RecordingWriter, ShardWriter
 from trainckpt.storage import Storage
-from trainckpt.storage.checksums import FileEntry, crc32c_file
+from trainckpt.storage.checksums import FileEntry
 from trainckpt.storage.ranged import RangeReader
 
 if TYPE_CHECKING:
@@ -99,10 +98,8 @@ def save_state(
         except BaseException:
             plan_cache.forget()  # every rank sees the failure: all plan the next save anew
             raise
-    entries = dict(writer.written)  # shards: CRC32C computed while writing
-    if dist.get_rank(group) == 0:
-        entries[DCP_METADATA_FILE] = crc32c_file(folder / DCP_METADATA_FILE)
-    return {f"{rel}{n}": e for n, e in entries.items()}
+    # shards and (rank 0) the metadata files: CRC32C computed from the bytes written
+    return {f"{rel}{n}": e for n, e in writer.written.items()}
 
 
 class _SavePlanner(plan_cache.ReusingSavePlanner):

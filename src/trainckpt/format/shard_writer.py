@@ -51,18 +51,19 @@ from typing import Protocol
 
 import torch
 from torch.distributed.checkpoint.filesystem import (
+    CURRENT_DCP_VERSION,
     DEFAULT_SUFFIX,
     FileSystemWriter,
     _split_by_size_and_type,
     _StorageInfo,
     _StoragePrefix,
 )
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from trainckpt.format import native_metadata, shard_checksums
+from trainckpt.format import metadata_files, shard_checksums
 from trainckpt.format.layout import DCP_METADATA_FILE, NATIVE_METADATA_FILE
 from trainckpt.format.tensor_item import write_tensor
 from trainckpt.storage.checksummed_file import checksummed_file
@@ -151,25 +152,31 @@ class RecordingWriter(FileSystemWriter):
         ]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator: DCP's own step (writes `.metadata`, with the save id recorded in it,
-        and those of the saves that wrote files this one took over), then the same metadata in
-        trainckpt's own format (`native_metadata`, recorded in `written`), with write errors
+        """Coordinator: DCP's own step (`.metadata`, with the save id recorded in it, and
+        those of the saves that wrote files this one took over), then the same metadata in
+        trainckpt's own format (`native_metadata`); both encoded, or reused from the last save
+        of the same layout (`metadata_files`), and recorded in `written`, with write errors
         naming the file."""
         sources = {r.source_save_id for rs in results for r in rs if isinstance(r, ReusedResult)}
         self.save_id = shard_checksums.join_save_ids(self.save_id, sources)  # `storage_meta()`'s
-        metadata.storage_meta = StorageMeta(save_id=self.save_id)
-        with writing(Path(self.path) / DCP_METADATA_FILE):
-            super().finish(metadata, results)
-        native = native_metadata.encode(metadata)
-        if native is not None:
-            where = Path(self.path) / NATIVE_METADATA_FILE
-            with writing(where), open(where, "wb") as f:
-                f.write(native)
+        metadata.version = CURRENT_DCP_VERSION
+        files = metadata_files.encode(metadata, results, self.storage_meta())
+        self._write_file(DCP_METADATA_FILE, files.pickled)
+        if files.native is not None:
+            self._write_file(NATIVE_METADATA_FILE, files.native)
+
+    def _write_file(self, name: str, data: bytes) -> None:
+        """Write `data` as `name` in the folder as DCP's writer writes `.metadata`: into a
+        temporary file (fsynced when durable), then renamed over any earlier one."""
+        where = Path(self.path) / name
+        tmp = where.with_name(f"{name}.tmp")
+        with writing(where):
+            with open(tmp, "wb") as f:
+                f.write(data)
                 if self.sync_files:
                     os.fsync(f.fileno())
-            self.written[NATIVE_METADATA_FILE] = FileEntry(
-                size=len(native), crc32c=crc32c_bytes(native)
-            )
+            os.replace(tmp, where)
+        self.written[name] = FileEntry(size=len(data), crc32c=crc32c_bytes(data))
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self.save_id = plan.storage_data.save_id
