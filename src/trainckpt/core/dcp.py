@@ -118,7 +118,7 @@ class _SavePlanner(plan_cache.ReusingSavePlanner):
         once (`plain_values`): a flattened optimizer state repeats its hyperparameters per
         parameter."""
         if write_item.type == WriteItemType.BYTE_IO:
-            return io.BytesIO(plain_values.saved_bytes(object))
+            return plain_values.saved_bytes(object)  # our writer takes bytes as they are
         return object
 
 
