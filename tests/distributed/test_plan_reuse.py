@@ -164,3 +164,27 @@ def test_ranks_reuse_the_global_plan_and_replan_on_changes(tmp_path: Path) -> No
     assert torch.equal(written["only1"], torch.full((2,), 7.0))
     assert torch.equal(written["d"], full * 2)
     assert set(_read(tmp_path / "f")) == {"r"}
+
+
+def test_the_flattening_is_dcps_own_or_left_to_dcp() -> None:
+    """`flatten_nested` gives DCP's flat state (same keys, order and values) and mappings, or
+    leaves to DCP what it does not flatten the same way."""
+    from collections import OrderedDict
+
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
+
+    w = torch.randn(2)
+    state: dict[str, Any] = {
+        "model": OrderedDict([("b.weight", w), ("a", {"x": 1, 3: (w, "t")})]),
+        "empty": {},
+        "optim": {"state": {"z": {"step": torch.tensor(1.0)}}, "lr": 0.1},
+        "top": None,
+    }
+    flat, mappings = plan_cache.flatten_nested(state)  # type: ignore[misc]
+    dcp_flat, dcp_mappings = flatten_state_dict(state)
+    dcp_flat = _flatten_sharded_tensors(dcp_flat)
+    assert list(flat) == list(dcp_flat) and mappings == dcp_mappings
+    assert all(flat[k] is dcp_flat[k] for k in flat)
+    for left in ({"a": [w]}, {"a": {"b": 1}, "a.b": 2}, {"a": {"b": [1, 2]}}):
+        assert plan_cache.flatten_nested(left) is None
