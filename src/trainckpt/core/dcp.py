@@ -102,6 +102,10 @@ def save_state(
     return {f"{rel}{n}": e for n, e in writer.written.items()}
 
 
+_ABSENT = object()
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 class _SavePlanner(plan_cache.ReusingSavePlanner):
     """DCP's save planner, reusing the last plan of the same structure (`plan_cache`), minus
     the deduplication across ranks when there is one rank: DCP hashes every item's index to
@@ -112,6 +116,22 @@ class _SavePlanner(plan_cache.ReusingSavePlanner):
         if len(all_plans) == 1:
             return all_plans
         return super()._dedup_save_plans(all_plans)
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        """DCP's value of an item, found directly for a plain value or a whole plain tensor
+        (what DCP's lookup returns for them, without its checks for sharded kinds), through
+        DCP's lookup for anything else (shards of a DTensor, an index it refuses)."""
+        index = write_item.index
+        obj = self.state_dict.get(index.fqn, _ABSENT)
+        if type(obj) in _PLAIN_TENSORS:
+            whole = index.offset is None or (
+                len(index.offset) == obj.dim() and not any(index.offset)
+            )
+            if whole:
+                return self.transform_object(write_item, obj)
+        elif obj is not _ABSENT and not isinstance(obj, torch.Tensor) and index.offset is None:
+            return self.transform_object(write_item, obj)
+        return super().resolve_data(write_item)
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:
         """A byte item as DCP writes it (`torch.save`), each distinct small value serialized
