@@ -37,6 +37,10 @@ def get_optimizer_state_dict(*args: Any, **kwargs: Any) -> Any:
     return _sd().get_optimizer_state_dict(*args, **kwargs)
 
 
+def get_state_dict(*args: Any, **kwargs: Any) -> Any:
+    return _sd().get_state_dict(*args, **kwargs)
+
+
 def set_model_state_dict(*args: Any, **kwargs: Any) -> Any:
     return _sd().set_model_state_dict(*args, **kwargs)
 
@@ -153,10 +157,25 @@ class ModelAndOptim:
                     o.state.clear()
 
     def state_dict_to_save(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"model": self._model_state()}
-        if self.optims:
-            state["optim"] = self._optim_state()
-        return state
+        """Model and optimizer state of every part, from one `get_state_dict` per part: it
+        maps parameter names once for both (`get_model_state_dict` and
+        `get_optimizer_state_dict` each walk every parameter's name). An optimizer that has
+        not stepped yet is left without state, as `_optim_state` leaves it."""
+        if not self.optims:
+            return {"model": self._model_state()}
+        model: dict[str, Any] = {}
+        optim: dict[str, Any] = {}
+        fresh = [not o.state for o in self.optims]
+        try:
+            for p, o in zip(self.parts, self.optims, strict=True):
+                part_model, part_optim = get_state_dict(p, o, options=_opts())
+                model.update(part_model)
+                optim.update(part_optim)
+        finally:
+            for o, was_fresh in zip(self.optims, fresh, strict=True):
+                if was_fresh:
+                    o.state.clear()
+        return {"model": model, "optim": optim}
 
     def state_dict_to_load(self, metadata: Metadata, optim: bool | None = None) -> dict[str, Any]:
         has_optim = any(k.startswith("optim.") for k in metadata.state_dict_metadata)

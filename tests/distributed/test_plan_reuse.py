@@ -14,6 +14,7 @@ from support.multiproc import run_ranks
 from trainckpt.core import plan_cache
 from trainckpt.core.dcp import load_full_state, save_state
 from trainckpt.errors import CheckpointError
+from trainckpt.format import metadata_files
 from trainckpt.format.dcp_metadata import read_dcp_metadata
 from trainckpt.storage import resolve
 
@@ -77,6 +78,39 @@ def test_a_failed_save_forgets_every_plan(tmp_path: Path) -> None:
     assert _save(state, tmp_path / "c") == PLANNED
 
 
+def _plain_dcp(folder: Path, like: dict[str, Any]) -> dict[str, Any]:
+    """`folder` read by plain DCP, which unpickles `.metadata` itself."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {
+        k: torch.empty_like(v) if isinstance(v, torch.Tensor) else None for k, v in like.items()
+    }
+    dcp.load(state, checkpoint_id=folder, no_dist=True)
+    return state
+
+
+def test_metadata_files_are_reused_only_while_every_item_keeps_its_place(tmp_path: Path) -> None:
+    plan_cache.forget()
+    metadata_files.forget()
+    state: dict[str, Any] = {"w": torch.randn(4, 8), "step": 3, "name": "a"}
+
+    def save(name: str) -> tuple[dict[str, int], str]:
+        before = dict(metadata_files.counts)
+        plans = _save(state, tmp_path / name)
+        (files,) = [k for k, v in metadata_files.counts.items() if v != before.get(k, 0)]
+        _same(_read(tmp_path / name), state)  # every item checked against its CRC32C
+        _same(_plain_dcp(tmp_path / name, state), state)
+        return plans, files
+
+    assert save("a") == (PLANNED, "encoded")
+    state["w"], state["step"] = torch.randn(4, 8), 4
+    assert save("b") == (REUSED, "reused")
+    state["name"] = "a" * 300  # a byte item of another length: same plan, items moved
+    assert save("c") == (REUSED, "encoded")
+    state["name"] = "b" * 300  # same length, other bytes: every item stays in place
+    assert save("d") == (REUSED, "reused")
+
+
 def _ranks_body(rank: int, world: int, root: str) -> list[dict[str, int]]:
     import torch.distributed as tdist
     from torch.distributed.device_mesh import init_device_mesh
@@ -130,3 +164,27 @@ def test_ranks_reuse_the_global_plan_and_replan_on_changes(tmp_path: Path) -> No
     assert torch.equal(written["only1"], torch.full((2,), 7.0))
     assert torch.equal(written["d"], full * 2)
     assert set(_read(tmp_path / "f")) == {"r"}
+
+
+def test_the_flattening_is_dcps_own_or_left_to_dcp() -> None:
+    """`flatten_nested` gives DCP's flat state (same keys, order and values) and mappings, or
+    leaves to DCP what it does not flatten the same way."""
+    from collections import OrderedDict
+
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
+
+    w = torch.randn(2)
+    state: dict[str, Any] = {
+        "model": OrderedDict([("b.weight", w), ("a", {"x": 1, 3: (w, "t")})]),
+        "empty": {},
+        "optim": {"state": {"z": {"step": torch.tensor(1.0)}}, "lr": 0.1},
+        "top": None,
+    }
+    flat, mappings = plan_cache.flatten_nested(state)  # type: ignore[misc]
+    dcp_flat, dcp_mappings = flatten_state_dict(state)
+    dcp_flat = _flatten_sharded_tensors(dcp_flat)
+    assert list(flat) == list(dcp_flat) and mappings == dcp_mappings
+    assert all(flat[k] is dcp_flat[k] for k in flat)
+    for left in ({"a": [w]}, {"a": {"b": 1}, "a.b": 2}, {"a": {"b": [1, 2]}}):
+        assert plan_cache.flatten_nested(left) is None

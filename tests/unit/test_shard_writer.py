@@ -9,6 +9,7 @@ import threading
 import zipfile
 from pathlib import Path
 
+import google_crc32c
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -18,7 +19,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from trainckpt import CheckpointerConfig
 from trainckpt.core.dcp import save_state
-from trainckpt.format import shard_writer, tensor_item
+from trainckpt.format import shard_checksums, shard_writer, tensor_item
 from trainckpt.format.layout import DCP_METADATA_FILE, NATIVE_METADATA_FILE
 from trainckpt.storage.checksums import crc32c_file
 
@@ -196,3 +197,35 @@ def test_one_rank_skips_the_deduplication_across_ranks(
     out = {k: torch.zeros(3) for k in state if k != "n"} | {"n": 0}
     dcp.load(out, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     assert all(torch.equal(out[k], v) for k, v in state.items() if k != "n") and out["n"] == 5
+
+
+def test_small_items_written_together_each_keep_their_place_and_crc32c(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small items are gathered into batched writes (`_SmallItems`, here of 4 KiB), between
+    items written on their own (a first tensor of its kind, a large one): every item's span
+    and CRC32C in the item record are those of its bytes in the file."""
+    monkeypatch.setattr(shard_writer._SmallItems, "BATCH", 4096)
+    repeated = b"r" * 700  # a flattened optimizer state's equal hyperparameters
+    items: list[shard_writer.ItemData] = []
+    for i in range(12):
+        items += [repeated, torch.randn(16, 16), f"value {i}".encode() * 40, repeated]
+        if i == 5:
+            items.append(torch.randn(300_000))  # over ItemTemplates.SMALL: written alone
+    done = shard_writer.write_shard(tmp_path, "s.distcp", iter(items), "id", fsync=False)
+    path = tmp_path / "s.distcp"
+    data = path.read_bytes()
+    with open(path, "rb") as f:
+        record = shard_checksums.read(f, str(path))
+    assert done.entry == crc32c_file(path)
+    assert len(done.spans) == len(items) == len(record.items)
+    end = 0
+    for item, (offset, length) in zip(items, done.spans, strict=True):
+        assert offset == end  # one after another, none lost or doubled
+        end = offset + length
+        part = data[offset:end]
+        assert record.items[offset] == (length, google_crc32c.value(part))
+        if isinstance(item, bytes):
+            assert part == item
+        else:
+            assert torch.equal(torch.load(io.BytesIO(part), weights_only=True), item)

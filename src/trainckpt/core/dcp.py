@@ -49,12 +49,11 @@ from trainckpt.core import dist, plan_cache
 from trainckpt.core.gc_pause import paused_gc
 from trainckpt.errors import CheckpointError, StorageError
 from trainckpt.format import plain_values, shard_checksums
-from trainckpt.format.layout import DCP_METADATA_FILE
 from trainckpt.format.safe_unpickle import load_torch_plain
 from trainckpt.format.shard_reader import ParallelReader
 from trainckpt.format.shard_writer import RecordingWriter, ShardWriter
 from trainckpt.storage import Storage
-from trainckpt.storage.checksums import FileEntry, crc32c_file
+from trainckpt.storage.checksums import FileEntry
 from trainckpt.storage.ranged import RangeReader
 
 if TYPE_CHECKING:
@@ -110,10 +109,12 @@ def save_state(
         except BaseException:
             plan_cache.forget()  # every rank sees the failure: all plan the next save anew
             raise
-    entries = dict(writer.written)  # shards: CRC32C computed while writing
-    if dist.get_rank(group) == 0:
-        entries[DCP_METADATA_FILE] = crc32c_file(folder / DCP_METADATA_FILE)
-    return {f"{rel}{n}": e for n, e in entries.items()}
+    # shards and (rank 0) the metadata files: CRC32C computed from the bytes written
+    return {f"{rel}{n}": e for n, e in writer.written.items()}
+
+
+_ABSENT = object()
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 class _SavePlanner(plan_cache.ReusingSavePlanner):
@@ -127,12 +128,28 @@ class _SavePlanner(plan_cache.ReusingSavePlanner):
             return all_plans
         return super()._dedup_save_plans(all_plans)
 
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        """DCP's value of an item, found directly for a plain value or a whole plain tensor
+        (what DCP's lookup returns for them, without its checks for sharded kinds), through
+        DCP's lookup for anything else (shards of a DTensor, an index it refuses)."""
+        index = write_item.index
+        obj = self.state_dict.get(index.fqn, _ABSENT)
+        if type(obj) in _PLAIN_TENSORS:
+            whole = index.offset is None or (
+                len(index.offset) == obj.dim() and not any(index.offset)
+            )
+            if whole:
+                return self.transform_object(write_item, obj)
+        elif obj is not _ABSENT and not isinstance(obj, torch.Tensor) and index.offset is None:
+            return self.transform_object(write_item, obj)
+        return super().resolve_data(write_item)
+
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:
         """A byte item as DCP writes it (`torch.save`), each distinct small value serialized
         once (`plain_values`): a flattened optimizer state repeats its hyperparameters per
         parameter."""
         if write_item.type == WriteItemType.BYTE_IO:
-            return io.BytesIO(plain_values.saved_bytes(object))
+            return plain_values.saved_bytes(object)  # our writer takes bytes as they are
         return object
 
 

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import json
 import sys
+import uuid
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -74,10 +76,42 @@ def encode(md: Metadata) -> bytes | None:
     """`md` in this format, or None when it holds something the format does not describe
     (another layout or memory format, transforms, chunks without exactly one stored piece,
     unusual planner data): then only `.metadata` is written, and loads unpickle it safely."""
+    parts = encode_parts(md)
+    return None if parts is None else parts.with_storage_meta(md.storage_meta)
+
+
+@dataclass(frozen=True)
+class Parts:
+    """`md` in this format but for its storage meta (the save's id and folder, which change
+    with every save while the rest may not): the bytes around it. `format/metadata_files.py`
+    keeps them to encode the next save of the same layout without walking every entry."""
+
+    head_before: bytes
+    head_after: bytes
+    table: bytes
+
+    def with_storage_meta(self, meta: StorageMeta | None) -> bytes | None:
+        """The whole record with `meta` in its place; None if the format cannot hold `meta`."""
+        try:
+            middle = _json(_encode_storage_meta(meta))
+        except _Unsupported:
+            return None
+        head = self.head_before + middle + self.head_after
+        if len(head) > MAX_HEADER_BYTES:
+            return None
+        return MAGIC + len(head).to_bytes(8, "little") + head + self.table
+
+
+def encode_parts(md: Metadata) -> Parts | None:
+    """`md` in this format, split around its storage meta (`Parts`); None as for `encode`."""
     try:
         return _encode(md)
     except _Unsupported:
         return None
+
+
+def _json(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
 
 
 class _Unsupported(Exception):
@@ -89,7 +123,7 @@ def _need(ok: bool) -> None:
         raise _Unsupported
 
 
-def _encode(md: Metadata) -> bytes:
+def _encode(md: Metadata) -> Parts:
     storage = md.storage_data
     _need(isinstance(storage, dict))
     files: dict[str, int] = {}
@@ -133,22 +167,25 @@ def _encode(md: Metadata) -> bytes:
             ints += chunk.sizes
             ints += (_hint(key), files[info.relative_path], info.offset, info.length)
     _need(not by_key)  # every stored piece belongs to exactly one entry
+    marker = f"trainckpt-storage-meta-{uuid.uuid4().hex}"  # the place of the storage meta
     header = {
         "version": VERSION,
         "dcp_version": md.version,
-        "storage_meta": _encode_storage_meta(md.storage_meta),
+        "storage_meta": marker,
         "planner_data": _encode_planner_data(md.planner_data),
         "files": list(files),
         "tensors": tensors,
         "bytes": byte_values,
         "ints": len(ints),
     }
-    head = json.dumps(header, separators=(",", ":")).encode()
+    head = _json(header)
     _need(len(head) <= MAX_HEADER_BYTES)
+    before, found, after = head.partition(_json(marker))
+    _need(bool(found) and _json(marker) not in after)
     table = array("q", ints)
     if sys.byteorder == "big":
         table.byteswap()
-    return MAGIC + len(head).to_bytes(8, "little") + head + table.tobytes()
+    return Parts(before, after, table.tobytes())
 
 
 def _pop(by_key: dict[Any, tuple[MetadataIndex, _StorageInfo]], key: Any) -> Any:

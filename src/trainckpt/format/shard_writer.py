@@ -49,23 +49,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import google_crc32c
 import torch
 from torch.distributed.checkpoint.filesystem import (
+    CURRENT_DCP_VERSION,
     DEFAULT_SUFFIX,
     FileSystemWriter,
     _split_by_size_and_type,
     _StorageInfo,
     _StoragePrefix,
 )
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from trainckpt.format import native_metadata, shard_checksums
+from trainckpt.format import metadata_files, plain_values, shard_checksums
 from trainckpt.format.layout import DCP_METADATA_FILE, NATIVE_METADATA_FILE
-from trainckpt.format.tensor_item import write_tensor
-from trainckpt.storage.checksummed_file import checksummed_file
+from trainckpt.format.tensor_item import small_item, write_tensor
+from trainckpt.storage.checksummed_file import ChecksummedWriter, checksummed_file
 from trainckpt.storage.checksums import FileEntry, crc32c_bytes
 from trainckpt.storage.local import writing
 
@@ -151,25 +153,31 @@ class RecordingWriter(FileSystemWriter):
         ]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator: DCP's own step (writes `.metadata`, with the save id recorded in it,
-        and those of the saves that wrote files this one took over), then the same metadata in
-        trainckpt's own format (`native_metadata`, recorded in `written`), with write errors
+        """Coordinator: DCP's own step (`.metadata`, with the save id recorded in it, and
+        those of the saves that wrote files this one took over), then the same metadata in
+        trainckpt's own format (`native_metadata`); both encoded, or reused from the last save
+        of the same layout (`metadata_files`), and recorded in `written`, with write errors
         naming the file."""
         sources = {r.source_save_id for rs in results for r in rs if isinstance(r, ReusedResult)}
         self.save_id = shard_checksums.join_save_ids(self.save_id, sources)  # `storage_meta()`'s
-        metadata.storage_meta = StorageMeta(save_id=self.save_id)
-        with writing(Path(self.path) / DCP_METADATA_FILE):
-            super().finish(metadata, results)
-        native = native_metadata.encode(metadata)
-        if native is not None:
-            where = Path(self.path) / NATIVE_METADATA_FILE
-            with writing(where), open(where, "wb") as f:
-                f.write(native)
+        metadata.version = CURRENT_DCP_VERSION
+        files = metadata_files.encode(metadata, results, self.storage_meta())
+        self._write_file(DCP_METADATA_FILE, files.pickled)
+        if files.native is not None:
+            self._write_file(NATIVE_METADATA_FILE, files.native)
+
+    def _write_file(self, name: str, data: bytes) -> None:
+        """Write `data` as `name` in the folder as DCP's writer writes `.metadata`: into a
+        temporary file (fsynced when durable), then renamed over any earlier one."""
+        where = Path(self.path) / name
+        tmp = where.with_name(f"{name}.tmp")
+        with writing(where):
+            with open(tmp, "wb") as f:
+                f.write(data)
                 if self.sync_files:
                     os.fsync(f.fileno())
-            self.written[NATIVE_METADATA_FILE] = FileEntry(
-                size=len(native), crc32c=crc32c_bytes(native)
-            )
+            os.replace(tmp, where)
+        self.written[name] = FileEntry(size=len(data), crc32c=crc32c_bytes(data))
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self.save_id = plan.storage_data.save_id
@@ -272,18 +280,62 @@ def write_shard(
 ) -> WrittenShard:
     """Write shard file `name`: each item (a tensor as `torch.save` writes it minus the zip
     CRC32, `tensor_item`; a byte item as it is), then its item record; fsynced with `fsync`.
-    Called on: a writer thread, or the writer process."""
-    parts = []
+    Small items are gathered into one write (`_SmallItems`). Called on: a writer thread, or
+    the writer process."""
+    parts: list[tuple[int, int, int]] = []
     with checksummed_file(folder / name, fsync=fsync) as out:
+        small = _SmallItems(out, parts)
         for data in items:
-            out.start_part()
             if isinstance(data, torch.Tensor):
-                write_tensor(data, out)
+                raw = small_item(data)
+                if raw is None:
+                    small.flush()
+                    out.start_part()
+                    write_tensor(data, out)
+                    parts.append(out.part())
+                    continue
+                small.add(raw)
             else:
-                out.write(data.getbuffer() if isinstance(data, io.BytesIO) else data)
-            parts.append(out.part())
+                small.add(data.getvalue() if isinstance(data, io.BytesIO) else data, repeats=True)
+        small.flush()
         out.write(shard_checksums.encode(name, save_id, parts))
     return WrittenShard(name, out.entry(), [(offset, length) for offset, length, _ in parts])
+
+
+class _SmallItems:
+    """Items gathered into one write of up to `BATCH` bytes: one call per item for its own
+    CRC32C (each distinct byte item's computed once: a flattened optimizer state repeats its
+    values), one write and one CRC32C of the file's bytes per batch, where writing each item
+    on its own cost a file write and two checksum calls per item."""
+
+    BATCH = 1 << 20
+
+    def __init__(self, out: ChecksummedWriter, parts: list[tuple[int, int, int]]) -> None:
+        self._out, self._parts = out, parts
+        self._pending: list[bytes] = []
+        self._size = 0
+        self._crcs: dict[bytes, int] = {}
+
+    def add(self, data: bytes, repeats: bool = False) -> None:
+        """Append item `data`: its part (offset, length, CRC32C) is recorded now. With
+        `repeats` (a byte item), the CRC32C of small equal items is computed once."""
+        crc = self._crcs.get(data) if repeats else None
+        if crc is None:
+            crc = google_crc32c.value(data)
+            if repeats and len(data) <= plain_values.MAX_ITEM_BYTES:
+                self._crcs[data] = crc
+        self._parts.append((self._out.tell() + self._size, len(data), crc))
+        self._pending.append(data)
+        self._size += len(data)
+        if self._size >= self.BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write what was gathered."""
+        if self._pending:
+            self._out.write(b"".join(self._pending))
+            self._pending.clear()
+            self._size = 0
 
 
 def _free_names(prefix: str, taken: set[str]) -> Iterator[str]:
@@ -302,7 +354,7 @@ def _file_order(items: list[WriteItem]) -> list[WriteItem]:
     ]
 
 
-def _resolve(planner: SavePlanner, item: WriteItem) -> torch.Tensor | io.BytesIO:
+def _resolve(planner: SavePlanner, item: WriteItem) -> ItemData:
     """The data of one item, on the CPU, as DCP's own writer prepares it."""
     data = planner.resolve_data(item)
     if isinstance(data, torch.Tensor):

@@ -91,8 +91,23 @@ class ItemTemplates:
             out.write(data)
             out.write(tail)
 
+    def small_item(self, tensor: torch.Tensor) -> bytes | None:
+        """The bytes `write` would write for `tensor`, when its kind is known and its storage
+        smaller than `SMALL`; else None (then `write` it): what the shard writer gathers into
+        one write with its neighbours."""
+        kind = _kind(tensor)
+        known = None if kind is None else self._kinds.get(kind)
+        if known is None or kind is None or kind[4] >= self.SMALL:
+            return None
+        return b"".join((known[0], storage_bytes(tensor), known[1]))
+
 
 _TEMPLATES = ItemTemplates()
+
+
+def small_item(tensor: torch.Tensor) -> bytes | None:
+    """`ItemTemplates.small_item` from the process's templates."""
+    return _TEMPLATES.small_item(tensor)
 
 
 def _kind(tensor: torch.Tensor) -> Kind | None:
