@@ -32,7 +32,6 @@ LAYERS: list[tuple[str, ...]] = [
         "finders",
         "manager",
         "save_events",  # the checkpoint events the manager logs
-        "checkpointing",
         "train_module",
         "model_states",
     ),
