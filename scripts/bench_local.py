@@ -103,6 +103,7 @@ def _rank(rank: int, port: int, root: str, size_mb: float, repeats: int, out: st
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORLD))  # torchrun's default
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     base = Path(root)
     module = make_module(size_mb, seed=rank)
@@ -132,7 +133,9 @@ def _rank(rank: int, port: int, root: str, size_mb: float, repeats: int, out: st
         ).build()
         for factor in (1, 2)
     }
-    shared = CheckpointerConfig(work_dir=base / f"work{rank}").build()
+    # every save() writes all its bytes (an incremental save of the unchanged state would
+    # link the previous one's files and write next to nothing)
+    shared = CheckpointerConfig(work_dir=base / f"work{rank}", incremental=False).build()
     for ckpt in ckpts.values():  # warm-up: staging buffers allocated, tier opened
         ckpt.save_local(0, module, {"step": 0}).result()
     shared.save(base / "shared" / "step0", module, {"step": 0})

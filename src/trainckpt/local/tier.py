@@ -12,8 +12,9 @@ Save (all ranks, the checkpointer's CPU group):
    `part.json` with sizes and CRC32C), each file and folder fsynced.
 2. Each part is sent in pipelined chunks (`local/transfer.py`) to `replication_factor - 1`
    holders on other disks, `replication_jump` ranks apart; each holder writes it durably (past
-   the page cache where it can) and checks every CRC32C against the owner's `part.json`. The
-   ranks agree that every part and replica is durable and intact (phase 1).
+   the page cache only where its disk measured faster so, `replica_file.py`) and checks every
+   CRC32C against the owner's `part.json`. The ranks agree that every part and replica is
+   durable and intact (phase 1).
 3. Only then each rank writes its commit marker naming step, attempt and the parts it holds
    (phase 2), and the ranks agree again: the save is committed.
 4. The ranks count the steps they can restore (the coverage vote); the save is then done.
@@ -66,6 +67,7 @@ from trainckpt.local.part_check import PrivateCopy, copy_own, load_part
 from trainckpt.local.part_read import PartReader
 from trainckpt.local.part_write import PartWriter, write_own_part
 from trainckpt.local.receive import Placement, receive_missing
+from trainckpt.local.replica_file import decide, read_mode
 from trainckpt.local.retention import clean_leftovers, start_retention
 from trainckpt.local.transfer import PhaseClock, Transfer, exchange
 from trainckpt.storage.local import writing
@@ -88,6 +90,8 @@ class LocalTier:
     _warned: bool = field(default=False, init=False)
     _disks: list[str] = field(default_factory=list, init=False)
     """The disk id of each rank (ranks with the same id share a disk)."""
+    _direct: bool = field(default=False, init=False)
+    """Replicas are written past the page cache on this rank's disk (`replica_file.decide`)."""
     _retention: threading.Thread | None = field(default=None, init=False)
     """The deletions after the last commit (this rank leads its disk), while training goes on."""
 
@@ -112,7 +116,15 @@ class LocalTier:
         self._disks = dist.all_gather_object(disk, self.group)
         if self._is_disk_leader():
             clean_leftovers(self.root)
+            try:
+                decide(self.root)
+            except Exception as e:  # costs only speed: replicas go through the page cache
+                log.warning(
+                    "local tier: could not time replica writes under '%s': %s", self.root, e
+                )
         dist.barrier(self.group)
+        mode = read_mode(self.root)
+        self._direct = mode is not None and mode.direct
 
     def _placement(self) -> Placement:
         return Placement(self.root, self.group, self._disks)
@@ -171,7 +183,7 @@ class LocalTier:
             self.group,
             open_source=lambda t: PartReader(part_dir(self.root, step, attempt, t.owner), part),
             open_sink=lambda t: PartWriter(
-                self.root, part_dir(self.root, step, attempt, t.owner), parts[t.owner]
+                self.root, part_dir(self.root, step, attempt, t.owner), parts[t.owner], self._direct
             ),
             clock=clock,
         )
@@ -357,13 +369,15 @@ PHASES = (
     "send wait",
     "receive wait",
     "receive write",
+    "write wait",
     "receive close",
     "marker",
 )
 """The phases of a local save, as its log line and `local_save_seconds` name them: own part
 (`serialize`: torch.save's own work; `crc`; `write`: into the page cache; `fsync`: the files,
 `part.json` and folders), `agree` (the collectives of the two phases), replication (see
-`exchange`), and the commit `marker`. Retention deletes after the commit, on a thread of its
+`exchange`; `receive write` runs on a writer thread, overlapping the other replication
+phases), and the commit `marker`. Retention deletes after the commit, on a thread of its
 own (its log lines time it)."""
 
 
