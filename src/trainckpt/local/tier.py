@@ -94,14 +94,21 @@ class LocalTier:
     """Replicas are written past the page cache on this rank's disk (`replica_file.decide`)."""
     _retention: threading.Thread | None = field(default=None, init=False)
     """The deletions after the last commit (this rank leads its disk), while training goes on."""
+    _deleting: bool = field(default=False, init=False)
+    """A save committed since the last `open`: some disk's first rank may still be deleting
+    (the same on every rank)."""
 
     # -- start-up -------------------------------------------------------------------------------
     def open(self) -> None:
         """Learn which ranks share a disk and clean crashed leftovers (once per job).
 
-        Called on: all ranks (every save and restore calls it first; it waits for the last
-        save's deletions, so nothing reads or writes the disk while they run)."""
+        Called on: all ranks (every save and restore calls it first; after a save, every rank
+        waits here until each disk's deletions are done, so no rank reads or writes a disk
+        while they run)."""
         self.wait_for_retention()
+        if self._deleting:
+            self._deleting = False
+            dist.barrier(self.group)
         if self._disks:
             return
         error: Exception | None = None
@@ -226,6 +233,7 @@ class LocalTier:
         restorable = {s for s, _a in self.covered()}
         if self._is_disk_leader():
             self._retention = start_retention(self.root, step, restorable, self.keep)
+        self._deleting = True
         return attempt
 
     def wait_for_retention(self) -> None:
