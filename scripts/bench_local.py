@@ -165,6 +165,7 @@ def _rank(rank: int, port: int, root: str, size_mb: float, repeats: int, out: st
                     add(f"phase (rf={factor}): {phase}", seconds)
             took[what] = total.seconds
             phases[what] = phase_log.phases[-1]
+            ckpts[factor].local.latest()  # waits for its deletions: none overlaps the next row
         ratios["rf1"].append(took["rf1"] / took["save"])
         replicated = phases["rf2"]["replication"]
         add("replication phase (rf=2)", replicated)

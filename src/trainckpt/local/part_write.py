@@ -26,7 +26,7 @@ from trainckpt.local.layout import (
 from trainckpt.local.module_state import local_view
 from trainckpt.local.part_check import check_entry
 from trainckpt.local.part_read import Splitter
-from trainckpt.local.replica_file import ReplicaWriter, replica_file, start_writeback
+from trainckpt.local.replica_file import ReplicaWriter, replica_file
 from trainckpt.local.transfer import PhaseClock
 from trainckpt.storage.checksummed_file import ChecksummedWriter
 from trainckpt.storage.checksums import FileEntry
@@ -88,26 +88,15 @@ class _TimedWriter(ChecksummedWriter):
         return n
 
 
-_WRITEBACK = 8 << 20
-"""The own part's writeback is started every this many bytes (`start_writeback`)."""
-
-
 class _TimedFile:
-    """A file whose writes are timed (`seconds`, and the clock's `write`), its writeback
-    started as it goes (the disk works while the next bytes are serialized)."""
+    """A file whose writes are timed (`seconds`, and the clock's `write`)."""
 
     def __init__(self, f: Any, clock: PhaseClock) -> None:
         self._f, self._clock, self.seconds = f, clock, 0.0
-        self._written = self._started = 0
 
     def write(self, data: Any) -> int:
         start = time.perf_counter()
         n: int = self._f.write(data)
-        self._written += n
-        if self._written - self._started >= _WRITEBACK:
-            self._f.flush()
-            start_writeback(self._f.fileno(), self._started, self._written - self._started)
-            self._started = self._written
         spent = time.perf_counter() - start
         self.seconds += spent
         self._clock.add("write", spent)

@@ -150,7 +150,7 @@ def replica_file(path: Path, direct: bool) -> Iterator[ReplicaWriter]:
             writer = _CacheWriter(fd)
             yield writer
             os.fsync(fd)
-            start_writeback(fd, 0, 0)  # durable now: drops the clean pages
+            _start_writeback(fd, 0, 0)  # durable now: drops the clean pages
         finally:
             os.close(fd)
 
@@ -167,7 +167,7 @@ class _CacheWriter:
         written = 0
         while written < len(view):  # a large write to a regular file may be partial
             written += os.write(self._fd, view[written:])
-        start_writeback(self._fd, self._size, len(view))
+        _start_writeback(self._fd, self._size, len(view))
         self._size += len(view)
         return len(view)
 
@@ -175,11 +175,10 @@ class _CacheWriter:
         return FileEntry(size=self._size, crc32c=f"{self._crc:08x}")
 
 
-def start_writeback(fd: int, offset: int, length: int) -> None:
+def _start_writeback(fd: int, offset: int, length: int) -> None:
     """`POSIX_FADV_DONTNEED` on a range (0: to the end): Linux starts writeback of its dirty
-    pages, so the disk works while the next bytes are prepared and the final fsync has less
-    left to wait for, and drops its clean ones (pages just written are dirty: they stay
-    cached). Only advice: where it is missing nothing changes."""
+    pages, so the disk works while the next chunk arrives and the final fsync has less left to
+    wait for, and drops its clean ones. Only advice: where it is missing nothing changes."""
     advise = getattr(os, "posix_fadvise", None)
     if advise is None:
         return
