@@ -12,6 +12,10 @@ replica's bytes (both ranks at once, as they replicate at once) and sending the 
 over the same process group (both directions at once, 16 MiB chunks, two in flight, as the
 replication does, no disk).
 
+Each rank runs `os.cpu_count() // 2` torch threads (as torchrun would give it), the `save()`
+contender is not incremental (it writes the same bytes), and each local save's deletions of
+the previous step are waited for outside the timing.
+
 Targets (issue 26), each a per-repeat ratio (median, min-max): the rf=1 local save commits in
 <= 1.1x a `save()` of the same bytes to the same disk; the replication phase takes <= 1.3x the
 slower of its two floors.
