@@ -12,6 +12,10 @@ replica's bytes (both ranks at once, as they replicate at once) and sending the 
 over the same process group (both directions at once, 16 MiB chunks, two in flight, as the
 replication does, no disk).
 
+Each rank runs `os.cpu_count() // 2` torch threads (as torchrun would give it), the `save()`
+contender is not incremental (it writes the same bytes), and each local save's deletions of
+the previous step are waited for outside the timing.
+
 Targets (issue 26), each a per-repeat ratio (median, min-max): the rf=1 local save commits in
 <= 1.1x a `save()` of the same bytes to the same disk; the replication phase takes <= 1.3x the
 slower of its two floors.
@@ -103,6 +107,7 @@ def _rank(rank: int, port: int, root: str, size_mb: float, repeats: int, out: st
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORLD))  # torchrun's default
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     base = Path(root)
     module = make_module(size_mb, seed=rank)
@@ -132,7 +137,9 @@ def _rank(rank: int, port: int, root: str, size_mb: float, repeats: int, out: st
         ).build()
         for factor in (1, 2)
     }
-    shared = CheckpointerConfig(work_dir=base / f"work{rank}").build()
+    # every save() writes all its bytes (an incremental save of the unchanged state would
+    # link the previous one's files and write next to nothing)
+    shared = CheckpointerConfig(work_dir=base / f"work{rank}", incremental=False).build()
     for ckpt in ckpts.values():  # warm-up: staging buffers allocated, tier opened
         ckpt.save_local(0, module, {"step": 0}).result()
     shared.save(base / "shared" / "step0", module, {"step": 0})
@@ -162,6 +169,7 @@ def _rank(rank: int, port: int, root: str, size_mb: float, repeats: int, out: st
                     add(f"phase (rf={factor}): {phase}", seconds)
             took[what] = total.seconds
             phases[what] = phase_log.phases[-1]
+            ckpts[factor].local.latest()  # waits for its deletions: none overlaps the next row
         ratios["rf1"].append(took["rf1"] / took["save"])
         replicated = phases["rf2"]["replication"]
         add("replication phase (rf=2)", replicated)

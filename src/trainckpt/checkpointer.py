@@ -170,6 +170,8 @@ class Checkpointer(Saving, CheckpointFinders):
             self._finish_pending()
         finally:
             self._executor.shutdown(wait=True)
+            if self._local is not None:
+                self._local.close()  # its deletions after the last local save
             if self._writer is not None:
                 self._writer.close()
             self._stager.release()

@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -201,6 +202,38 @@ def test_retention_keeps_restorable_steps_not_one_that_lost_a_part(tmp_path: Pat
     assert ckpt.load_local(1, into) == {"step": 1}
     assert_same_state(into, modules[1])
     ckpt.close()
+
+
+def test_a_save_commits_before_retention_deletes_and_close_waits_for_the_deletion(
+    tmp_path: Path,
+):
+    """Deleting the previous step is not part of the commit: the save's future resolves while
+    the deletion is held at its fault point; `close()` returns only once it is done (a process
+    may exit right after close). The step just committed is never what is deleted."""
+    ckpt = _ckpt(tmp_path, local_keep=1)
+    ckpt.save_local(1, make_module(seed=1), {"step": 1}).result()
+    release, reached, deleted = threading.Event(), threading.Event(), threading.Event()
+
+    def hold() -> None:  # after step 1's markers are gone, before its part is
+        reached.set()
+        release.wait(60)
+        deleted.set()
+
+    with on_fault_point("local-cleanup", hold):
+        saved = make_module(seed=2)
+        future = ckpt.save_local(2, saved, {"step": 2})
+        assert future.result(timeout=20) == str(tmp_path / "local" / "step2")
+        assert reached.wait(60) and not deleted.is_set()  # committed, deletion still held
+        assert (tmp_path / "local" / "step1").exists()
+        threading.Timer(0.2, release.set).start()
+        ckpt.close()  # waits for the deletion
+        assert deleted.is_set()
+    assert sorted(p.name for p in (tmp_path / "local").glob("step*")) == ["step2"]
+    again = _ckpt(tmp_path, local_keep=1)
+    into = fresh_module()
+    assert again.load_latest_local(into) == (2, {"step": 2})
+    assert_same_state(into, saved)
+    again.close()
 
 
 def test_a_local_interval_without_a_local_dir_is_refused(tmp_path: Path):

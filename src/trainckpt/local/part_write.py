@@ -1,6 +1,6 @@
 """Writing local-tier parts: a rank's own part (torch.save of its local shards, timed phase by
-phase), and a replica received from its owner (`PartWriter`, past the page cache where it can,
-checked against the owner's record). Every file and folder is fsynced before it counts."""
+phase), and a replica received from its owner (`PartWriter`, the way its disk takes replicas
+best, checked against the owner's record). Every file and folder is fsynced before it counts."""
 
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ from trainckpt.local.layout import (
 from trainckpt.local.module_state import local_view
 from trainckpt.local.part_check import check_entry
 from trainckpt.local.part_read import Splitter
+from trainckpt.local.replica_file import ReplicaWriter, replica_file
 from trainckpt.local.transfer import PhaseClock
 from trainckpt.storage.checksummed_file import ChecksummedWriter
 from trainckpt.storage.checksums import FileEntry
-from trainckpt.storage.direct_file import DirectWriter, direct_file
 from trainckpt.storage.local import fsync_dir, writing
 from trainckpt.testing.faults import fault_point
 
@@ -124,24 +124,26 @@ def _timed_file(path: Path, clock: PhaseClock) -> Iterator[ChecksummedWriter]:
 
 
 class PartWriter:
-    """A replica received from a holder: its files written past the page cache where the disk
-    allows (`direct_file`) and fsynced, each file's CRC32C computed from the bytes as they
-    arrive and checked against the owner's record at the end, then the record written last and
-    the folders fsynced."""
+    """A replica received from a holder: its files written the way its disk takes replicas
+    best (`replica_file`: past the page cache or through it, `direct`) and fsynced, each
+    file's CRC32C computed from the bytes as they arrive and checked against the owner's record
+    at the end, then the record written last and the folders fsynced."""
 
-    def __init__(self, root: Path, folder: Path, part: LocalPart) -> None:
+    def __init__(self, root: Path, folder: Path, part: LocalPart, direct: bool) -> None:
         self._root, self._folder, self._split = root, folder, Splitter(part)
+        self._direct = direct
         with writing(folder):
             folder.mkdir(parents=True)
         self._stack = ExitStack()
-        self._writer: DirectWriter | None = None
+        self._writer: ReplicaWriter | None = None
         self._entries: dict[str, FileEntry] = {}
 
     def write(self, data: memoryview) -> None:
         for name, piece, done in self._split.pieces(data):
             writer = self._writer
             if writer is None:
-                writer = self._writer = self._stack.enter_context(direct_file(self._folder / name))
+                path = self._folder / name
+                writer = self._writer = self._stack.enter_context(replica_file(path, self._direct))
             writer.write(piece)
             if done:
                 self._stack.close()  # the tail written and fsynced

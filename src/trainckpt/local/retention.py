@@ -1,11 +1,13 @@
 """What the local tier keeps on a disk: leftovers of crashed saves deleted, and after each
-commit the `keep` newest steps the job can restore, commit markers deleted first. Called on: one
+commit the `keep` newest steps the job can restore, commit markers deleted first (on a thread of
+its own, `start_retention`: deleting a step is not part of committing the next). Called on: one
 rank per disk."""
 
 from __future__ import annotations
 
 import logging
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -24,13 +26,33 @@ def clean_leftovers(root: Path) -> None:
     _remove_empty_steps(root)
 
 
+def start_retention(
+    root: Path, committed: int, restorable: set[int], keep: int
+) -> threading.Thread:
+    """Run `retain` on a thread of its own (started; join it before the disk is read or
+    written again, and before the process exits). An unexpected error is logged: it only
+    costs space."""
+
+    def run() -> None:
+        try:
+            retain(root, committed, restorable, keep)
+        except Exception as e:
+            log.warning(
+                "local tier: retention after step %d under '%s' failed: %s", committed, root, e
+            )
+
+    thread = threading.Thread(target=run, name="trainckpt-local-retention", daemon=False)
+    thread.start()
+    return thread
+
+
 def retain(root: Path, committed: int, restorable: set[int], keep: int) -> None:
     """Keep the step just committed and the `keep - 1` newest other steps that the job can
     restore (`restorable`: every rank's part has a copy the coverage vote counts, the same
     test a restore uses); delete the rest, commit markers first (a crash midway leaves
     parts that no longer count, never a step that counts but is incomplete). A step that
     lost a part is deleted and never displaces an older restorable one. Called on: one
-    rank per disk, after a save committed on every rank."""
+    rank per disk, after a save committed on every rank (`start_retention`)."""
     for item in scan(root)[1]:  # what failed saves of older steps left
         if item.step < committed:
             log.info("local tier: deleting '%s' (%s)", item.path, item.why)

@@ -12,13 +12,15 @@ Save (all ranks, the checkpointer's CPU group):
    `part.json` with sizes and CRC32C), each file and folder fsynced.
 2. Each part is sent in pipelined chunks (`local/transfer.py`) to `replication_factor - 1`
    holders on other disks, `replication_jump` ranks apart; each holder writes it durably (past
-   the page cache where it can) and checks every CRC32C against the owner's `part.json`. The
-   ranks agree that every part and replica is durable and intact (phase 1).
+   the page cache only where its disk measured faster so, `replica_file.py`) and checks every
+   CRC32C against the owner's `part.json`. The ranks agree that every part and replica is
+   durable and intact (phase 1).
 3. Only then each rank writes its commit marker naming step, attempt and the parts it holds
    (phase 2), and the ranks agree again: the save is committed.
-4. The ranks count the steps they can restore (the coverage vote); one rank per disk then
-   deletes the steps beyond the `keep` newest restorable ones, markers first. A step that lost
-   a part never displaces a restorable one.
+4. The ranks count the steps they can restore (the coverage vote); the save is then done.
+   One rank per disk deletes the steps beyond the `keep` newest restorable ones, markers
+   first, on a thread of its own (`retention.py`); the tier's next call and `close()` wait for
+   it. A step that lost a part never displaces a restorable one.
 
 Restore: every rank reports what its disk holds; the newest (step, attempt) whose every owner
 rank's part is held by some live rank wins, the same answer everywhere. Each rank copies its
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -64,7 +67,8 @@ from trainckpt.local.part_check import PrivateCopy, copy_own, load_part
 from trainckpt.local.part_read import PartReader
 from trainckpt.local.part_write import PartWriter, write_own_part
 from trainckpt.local.receive import Placement, receive_missing
-from trainckpt.local.retention import clean_leftovers, retain
+from trainckpt.local.replica_file import decide, read_mode
+from trainckpt.local.retention import clean_leftovers, start_retention
 from trainckpt.local.transfer import PhaseClock, Transfer, exchange
 from trainckpt.storage.local import writing
 from trainckpt.testing.faults import fault_point
@@ -86,12 +90,25 @@ class LocalTier:
     _warned: bool = field(default=False, init=False)
     _disks: list[str] = field(default_factory=list, init=False)
     """The disk id of each rank (ranks with the same id share a disk)."""
+    _direct: bool = field(default=False, init=False)
+    """Replicas are written past the page cache on this rank's disk (`replica_file.decide`)."""
+    _retention: threading.Thread | None = field(default=None, init=False)
+    """The deletions after the last commit (this rank leads its disk), while training goes on."""
+    _deleting: bool = field(default=False, init=False)
+    """A save committed since the last `open`: some disk's first rank may still be deleting
+    (the same on every rank)."""
 
     # -- start-up -------------------------------------------------------------------------------
     def open(self) -> None:
         """Learn which ranks share a disk and clean crashed leftovers (once per job).
 
-        Called on: all ranks (the first save or restore calls it)."""
+        Called on: all ranks (every save and restore calls it first; after a save, every rank
+        waits here until each disk's deletions are done, so no rank reads or writes a disk
+        while they run)."""
+        self.wait_for_retention()
+        if self._deleting:
+            self._deleting = False
+            dist.barrier(self.group)
         if self._disks:
             return
         error: Exception | None = None
@@ -106,7 +123,15 @@ class LocalTier:
         self._disks = dist.all_gather_object(disk, self.group)
         if self._is_disk_leader():
             clean_leftovers(self.root)
+            try:
+                decide(self.root)
+            except Exception as e:  # costs only speed: replicas go through the page cache
+                log.warning(
+                    "local tier: could not time replica writes under '%s': %s", self.root, e
+                )
         dist.barrier(self.group)
+        mode = read_mode(self.root)
+        self._direct = mode is not None and mode.direct
 
     def _placement(self) -> Placement:
         return Placement(self.root, self.group, self._disks)
@@ -165,7 +190,7 @@ class LocalTier:
             self.group,
             open_source=lambda t: PartReader(part_dir(self.root, step, attempt, t.owner), part),
             open_sink=lambda t: PartWriter(
-                self.root, part_dir(self.root, step, attempt, t.owner), parts[t.owner]
+                self.root, part_dir(self.root, step, attempt, t.owner), parts[t.owner], self._direct
             ),
             clock=clock,
         )
@@ -207,8 +232,21 @@ class LocalTier:
         )
         restorable = {s for s, _a in self.covered()}
         if self._is_disk_leader():
-            retain(self.root, step, restorable, self.keep)
+            self._retention = start_retention(self.root, step, restorable, self.keep)
+        self._deleting = True
         return attempt
+
+    def wait_for_retention(self) -> None:
+        """Wait until the deletions after the last commit are done. Called on: any rank (the
+        tier's calls, and `close`)."""
+        if self._retention is not None:
+            self._retention.join()
+            self._retention = None
+
+    def close(self) -> None:
+        """Wait for the last save's deletions: a process may exit right after. Called on: each
+        rank, by `Checkpointer.close()`."""
+        self.wait_for_retention()
 
     def _warn_thin_replication(self, transfers: list[Transfer], world: int) -> None:
         """Warn once (rank 0) when some part has no replica on another disk."""
@@ -339,14 +377,16 @@ PHASES = (
     "send wait",
     "receive wait",
     "receive write",
+    "write wait",
     "receive close",
     "marker",
 )
 """The phases of a local save, as its log line and `local_save_seconds` name them: own part
 (`serialize`: torch.save's own work; `crc`; `write`: into the page cache; `fsync`: the files,
 `part.json` and folders), `agree` (the collectives of the two phases), replication (see
-`exchange`), and the commit `marker`. Retention runs after the commit and the log line (its
-own log lines time it)."""
+`exchange`; `receive write` runs on a writer thread, overlapping the other replication
+phases), and the commit `marker`. Retention deletes after the commit, on a thread of its
+own (its log lines time it)."""
 
 
 def _first_failure(

@@ -5,9 +5,12 @@ a destination rank and a byte count known to both). Each transfer moves in chunk
 `chunk` bytes through `depth` reusable buffers on each side (gloo `isend`/`irecv` of uint8
 tensors that are views of those buffers, nothing copied in between). Chunk `c` of a transfer
 travels in buffer `c % depth`; while it is in flight the source reads chunk `c + 1` into the
-next buffer and the destination writes (and CRCs) chunk `c - 1` from the previous one, so
-reading, the network and writing overlap instead of taking turns. Memory per rank is `depth`
-chunks per transfer it takes part in (2 x 16 MiB by default), whatever the part's size.
+next buffer and the destination writes (and CRCs) chunk `c - 1` from the previous one. The
+destination's writes run on a writer thread of their own (one per `exchange`, chunks in
+order), so a rank that sends and receives at once reads its own part, sends, receives and
+writes the peer's part at the same time instead of taking turns; a buffer is received into
+again only once the writer is done with it. Memory per rank is `depth` chunks per transfer it
+takes part in (2 x 16 MiB by default), whatever the part's size.
 
 No pair of ranks can wait on each other: every rank first posts chunks `0 .. depth - 1` of all
 its transfers, sends and receives, and then, for `c = 0, 1, ...`, waits for chunk `c` of its
@@ -23,8 +26,10 @@ from __future__ import annotations
 
 import logging
 import mmap
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -50,9 +55,12 @@ class PhaseClock:
     save's log line and `scripts/bench_local.py` report."""
 
     seconds: dict[str, float] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, name: str, seconds: float) -> None:
-        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        """Book `seconds` to `name` (from any thread: replicas are written on their own)."""
+        with self._lock:
+            self.seconds[name] = self.seconds.get(name, 0.0) + seconds
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
@@ -102,8 +110,10 @@ def exchange(
     transfer this rank sent or received went through its source and sink without error —
     the receiver still checks the CRC32C). A dead peer raises `RankFailedError`. `clock`
     gets this rank's time reading sources (`send read`), waiting for sends to leave
-    (`send wait`), waiting for chunks to arrive (`receive wait`), and in sinks (`receive
-    write`, and `receive close`: a replica's tail, fsync and record).
+    (`send wait`), waiting for chunks to arrive (`receive wait`), in sinks (`receive write`,
+    on the writer thread, overlapping the others), waiting for the writer to free a buffer
+    (`write wait`: the disk is behind the network), and closing sinks (`receive close`: a
+    replica's tail, fsync and record).
 
     Called on: all ranks of `group`, with the same `transfers`."""
     if chunk < 1 or depth < 1:
@@ -112,12 +122,17 @@ def exchange(
     rank = dist.get_rank(group)
     errors: dict[int, BaseException] = {}
     ends: list[_End] = []
+    writer = None
+    if any(t.dst == rank for t in transfers):
+        writer = ThreadPoolExecutor(1, thread_name_prefix="trainckpt-local-writer")
     for i, t in enumerate(transfers):
         if t.src == rank:
             source = _open(open_source, t, i, errors)
             ends.append(_Outgoing(i, t, source, group, chunk, depth, clock))
         if t.dst == rank:
-            ends.append(_Incoming(i, t, _open(open_sink, t, i, errors), group, chunk, depth, clock))
+            sink = _open(open_sink, t, i, errors)
+            assert writer is not None
+            ends.append(_Incoming(i, t, sink, group, chunk, depth, clock, writer))
     # receives first: they cost nothing to post, and the senders' first chunks can land at once
     ends.sort(key=lambda e: isinstance(e, _Outgoing))
     chunks = max((e.chunks for e in ends), default=0)
@@ -129,12 +144,15 @@ def exchange(
             for c in range(chunks):
                 for end in ends:
                     end.finish(c, errors)
+                for end in reversed(ends):  # sends first: their reads overlap chunk c's writes
                     end.post(c + depth, errors)
                 if c == 0:
                     fault_point("local-replicating")
     finally:
         for end in ends:
             end.close(errors)
+        if writer is not None:
+            writer.shutdown(wait=True)
     moved = sum(t.size for t in transfers if rank in (t.src, t.dst))
     log.debug(
         "rank %d moved %d bytes in %d transfers in %.2fs",
@@ -224,28 +242,70 @@ class _Outgoing(_End):
 
 
 class _Incoming(_End):
+    def __init__(
+        self,
+        i: int,
+        t: Transfer,
+        stream: Any,
+        group: dist.ProcessGroup | None,
+        chunk: int,
+        depth: int,
+        clock: PhaseClock | None,
+        writer: ThreadPoolExecutor,
+    ) -> None:
+        super().__init__(i, t, stream, group, chunk, depth, clock)
+        self.writer = writer
+        self.written: dict[int, Future[None]] = {}
+        self.failure: BaseException | None = None
+        """The sink's first error, set on the writer thread."""
+
     def post(self, c: int, errors: dict[int, BaseException]) -> None:
+        """Receive chunk `c` into its buffer, once the writer is done with the chunk before."""
         if c < self.chunks:
+            self.wait_written(c - self.depth, errors)
             buf = self.view(c)
             self.works[c] = tdist.irecv(
                 buf, self.peer(self.t.src), group=self.group, tag=self.tag(c)
             )
 
     def finish(self, c: int, errors: dict[int, BaseException]) -> None:
-        """Wait for chunk `c` and hand it to the sink (chunk `c + 1` arrives meanwhile)."""
+        """Wait for chunk `c` and hand it to the writer (chunk `c + 1` arrives meanwhile)."""
         work = self.works.pop(c, None)
         if work is None:
             return
         with self.clock("receive wait"):
             work.wait()
         if self.stream is not None:
-            try:
-                with self.clock("receive write"):
-                    self.stream.write(self.view(c).numpy().data)
-            except Exception as e:  # keep receiving: every chunk must still be matched
-                errors[self.i] = e
-                _close_quietly(self.stream)
-                self.stream = None
+            self.written[c] = self.writer.submit(self._write, c)
+
+    def _write(self, c: int) -> None:
+        """Write chunk `c` to the sink (on the writer thread, chunks in order). After a
+        failure the chunks are still received, and dropped."""
+        if self.failure is not None or self.stream is None:
+            return
+        try:
+            with self.clock("receive write"):
+                self.stream.write(self.view(c).numpy().data)
+        except Exception as e:
+            self.failure = e
+
+    def wait_written(self, c: int, errors: dict[int, BaseException]) -> None:
+        """Wait until the writer is done with chunk `c` (its buffer is free again); a failed
+        sink is reported and closed."""
+        done = self.written.pop(c, None)
+        if done is not None:
+            with self.clock("write wait"):
+                done.result()
+        if self.failure is not None and self.stream is not None:
+            errors[self.i] = self.failure
+            _close_quietly(self.stream)
+            self.stream = None
+
+    def close(self, errors: dict[int, BaseException]) -> None:
+        """Wait for every chunk handed to the writer, then close the sink."""
+        for c in sorted(self.written):
+            self.wait_written(c, errors)
+        super().close(errors)
 
 
 def _page_aligned(size: int) -> torch.Tensor:
