@@ -155,11 +155,8 @@ class Session:
 
         from trainckpt.format.shard_writer import Layout, ReusedResult
 
-        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="trainckpt-hash") as pool:
-            for item, keyed in zip(
-                items, pool.map(lambda i: _keyed(i, resolve), items), strict=True
-            ):
-                self._keys[item.index] = keyed
+        for item, keyed in zip(items, _keyed_all(items, resolve, threads), strict=True):
+            self._keys[item.index] = keyed
         digests = dict(self._keys.values())
         previous = self.history.previous(self.reuse.storage)
         known: dict[Hashable, bytes | None] = {}
@@ -273,6 +270,42 @@ def _check(storage: Storage, location: str, f: SavedFile) -> None:
     with storage.open_read(location) as stream:
         record = shard_checksums.read(stream, location)
     record.check_identity(location, f.name, frozenset([f.save_id]))
+
+
+LARGE_ITEM = 1 << 20
+"""Bytes from which an item is hashed on a thread of the pool: a smaller one is hashed in
+less time than handing it to a thread takes (a fine-tune's adapters and optimizer values are
+thousands of such items)."""
+
+
+def _keyed_all(
+    items: list[WriteItem], resolve: Callable[[WriteItem], ItemData], threads: int
+) -> list[tuple[Hashable, bytes | None]]:
+    """`_keyed` of every item, in order: large tensors on `threads` threads (xxh3 releases the
+    interpreter lock), the rest on the calling thread meanwhile."""
+    keyed: list[tuple[Hashable, bytes | None] | None] = [None] * len(items)
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="trainckpt-hash") as pool:
+        large = {
+            k: pool.submit(_keyed, item, resolve)
+            for k, item in enumerate(items)
+            if _nbytes(item) >= LARGE_ITEM
+        }
+        for k, item in enumerate(items):
+            if k not in large:
+                keyed[k] = _keyed(item, resolve)
+        for k, future in large.items():
+            keyed[k] = future.result()
+    done = [k for k in keyed if k is not None]
+    assert len(done) == len(items)
+    return done
+
+
+def _nbytes(item: WriteItem) -> int:
+    """The bytes of a tensor item's data, from its plan (0 for a byte item)."""
+    data = item.tensor_data
+    if data is None:
+        return 0
+    return data.size.numel() * data.properties.dtype.itemsize
 
 
 def _keyed(
