@@ -20,7 +20,11 @@ Targets (issue 26), each a per-repeat ratio (median, min-max): the rf=1 local sa
 <= 1.1x a `save()` of the same bytes to the same disk; the replication phase takes <= 1.3x the
 slower of its two floors.
 
-    python scripts/bench_local.py --size-mb 64 --repeats 3 [--json out.json]
+`--replica-mode page|direct` sets how replicas are written (the kept verdict of each disk,
+`.write-mode.json`) instead of measuring it: on a disk where both ways are close the verdict
+may differ from run to run, and comparing two runs is then comparing two ways.
+
+    python scripts/bench_local.py --size-mb 64 --repeats 3 [--replica-mode page] [--json out.json]
 
 `scripts/bench.py` runs it as its local-tier part (`--local-size-mb`, `--no-local`).
 """
@@ -28,6 +32,7 @@ slower of its two floors.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -47,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import Timer, make_module  # noqa: E402
 
 from trainckpt import CheckpointerConfig  # noqa: E402
+from trainckpt.local.replica_file import MODE_FILE, PROBE_BYTES, WriteMode, read_mode  # noqa: E402
 
 WORLD = 2
 
@@ -103,7 +109,9 @@ def _process_group_transfer(nbytes: int, chunk: int = 16 << 20, depth: int = 2) 
     return t.seconds
 
 
-def _rank(rank: int, port: int, root: str, size_mb: float, repeats: int, out: str) -> None:
+def _rank(
+    rank: int, port: int, root: str, size_mb: float, repeats: int, out: str, mode: str
+) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
@@ -127,6 +135,12 @@ def _rank(rank: int, port: int, root: str, size_mb: float, repeats: int, out: st
     def add(name: str, seconds: float) -> None:
         rows.setdefault(name, []).append(seconds)
 
+    if mode != "auto":  # the kept verdict of each disk (docs/local-tier.md), set beforehand
+        for factor in (1, 2):
+            disk = base / f"node{rank}-rf{factor}"
+            disk.mkdir(parents=True, exist_ok=True)
+            kept = WriteMode(mode == "direct", 0.0, 0.0, PROBE_BYTES)
+            (disk / MODE_FILE).write_text(json.dumps(dataclasses.asdict(kept)))
     ckpts = {
         factor: CheckpointerConfig(
             local_dir=base / f"node{rank}-rf{factor}",
@@ -143,6 +157,8 @@ def _rank(rank: int, port: int, root: str, size_mb: float, repeats: int, out: st
     for ckpt in ckpts.values():  # warm-up: staging buffers allocated, tier opened
         ckpt.save_local(0, module, {"step": 0}).result()
     shared.save(base / "shared" / "step0", module, {"step": 0})
+    used = read_mode(base / f"node{rank}-rf2")
+    replica_mode = "page cache" if used is None or not used.direct else "O_DIRECT"
     for repeat in range(1, repeats + 1):
         took: dict[str, float] = {}
         phases: dict[str, dict[str, float]] = {}
@@ -164,6 +180,11 @@ def _rank(rank: int, port: int, root: str, size_mb: float, repeats: int, out: st
                 future.result()
             add(f"save_local blocked (rf={factor})", blocked.seconds)
             add(f"save_local committed (rf={factor})", total.seconds)
+            # the tier's own time to its commit (without staging, the save thread, the vote)
+            add(
+                f"save_local committed, in the tier (rf={factor})",
+                phase_log.phases[-1]["committed"],
+            )
             for phase, seconds in phase_log.phases[-1].items():
                 if phase not in ("committed", "replication"):
                     add(f"phase (rf={factor}): {phase}", seconds)
@@ -193,26 +214,38 @@ def _rank(rank: int, port: int, root: str, size_mb: float, repeats: int, out: st
     for ckpt in (*ckpts.values(), shared):
         ckpt.close()
     if rank == 0:
-        report = {"bytes_per_rank": nbytes, "rows": rows, "ratios": ratios}
+        report = {
+            "bytes_per_rank": nbytes,
+            "rows": rows,
+            "ratios": ratios,
+            "replica_mode": replica_mode,
+        }
         Path(out).write_text(json.dumps(report))
     dist.destroy_process_group()
 
 
-def bench_local(size_mb: float, repeats: int, root: Path) -> dict[str, Any]:
-    """Run the rows on 2 spawned ranks under `root`; print them and return the report."""
+def bench_local(size_mb: float, repeats: int, root: Path, mode: str = "auto") -> dict[str, Any]:
+    """Run the rows on 2 spawned ranks under `root`; print them and return the report.
+    `mode`: how replicas are written (`auto`: as each disk measured, else `page` or `direct`,
+    kept in `.write-mode.json` before the tier opens)."""
     work = Path(tempfile.mkdtemp(prefix="bench-local-", dir=root))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = work / "result.json"
     try:
-        mp.spawn(_rank, args=(port, str(work), size_mb, repeats, str(out)), nprocs=WORLD, join=True)
+        mp.spawn(
+            _rank, args=(port, str(work), size_mb, repeats, str(out), mode), nprocs=WORLD, join=True
+        )
         report: dict[str, Any] = json.loads(out.read_text())
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows = {name: statistics.median(xs) for name, xs in report["rows"].items()}
     mb = report["bytes_per_rank"] / 1e6
-    print(f"\nnode-local tier, 2 ranks on one machine, {mb:.0f} MB of state per rank (rank 0):")
+    print(
+        f"\nnode-local tier, 2 ranks on one machine, {mb:.0f} MB of state per rank (rank 0), "
+        f"replicas written through {report['replica_mode']}:"
+    )
     for name, seconds in rows.items():
         xs = report["rows"][name]
         spread = f"({min(xs):.3f}-{max(xs):.3f})"
@@ -248,8 +281,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument(
+        "--replica-mode",
+        choices=("auto", "page", "direct"),
+        default="auto",
+        help="how replicas are written: as each disk measures (auto; it may flip between runs "
+        "on a disk where both ways are close), or set: through the page cache, or O_DIRECT",
+    )
     args = p.parse_args(argv)
-    report = bench_local(args.size_mb, args.repeats, args.dir or Path(tempfile.gettempdir()))
+    root = args.dir or Path(tempfile.gettempdir())
+    report = bench_local(args.size_mb, args.repeats, root, args.replica_mode)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return 0

@@ -104,6 +104,28 @@ def test_save_then_wipe_one_node_restores_every_rank_bit_exact(tmp_path: Path):
     assert "received rank 2's part from rank 0" in job.log(2)
 
 
+def test_parts_in_pieces_replicate_in_pieces_and_restore_bit_exact(tmp_path: Path):
+    """Every part's module file cut into 3 pieces: each replica holds the same pieces (each
+    CRC32C-checked against the owner's record). With a piece of rank 0's own copy cut short
+    (the log names it) and rank 2's own copy gone, both receive their part from the replica
+    on the other node, and every rank restores bit-exact."""
+    job = Job(tmp_path)
+    pieces = {"env": lambda r: {"LOCAL_PIECES": "3"}}
+    saved = _save(job, "1", **pieces)
+    want = {"module.0.pt", "module.1.pt", "module.2.pt", "train.pt", "part.json"}
+    for node in (0, 1):
+        for owner in range(WORLD):
+            (part,) = job.parts(node, 1, owner)
+            assert {p.name for p in part.iterdir()} == want, part
+    (own,) = job.parts(0, 1, 0)
+    _damage(own / "module.1.pt", "truncate")
+    shutil.rmtree(job.parts(1, 1, 2)[0])
+    _assert_restored(_ok(job.run("local_restore", **pieces)), saved, 1)
+    assert "module.1.pt" in job.log(0)
+    assert "received rank 0's part from rank 2" in job.log(0)
+    assert "received rank 2's part from rank 0" in job.log(2)
+
+
 def test_three_copies_one_rank_apart_survive_the_loss_of_two_nodes(tmp_path: Path):
     """replication_factor=3 with replication_jump=1 (not the default: 2 ranks per node), four
     nodes of one rank: rank R's part lies on the disks of ranks R, R+1 and R+2 (mod 4) and
@@ -170,6 +192,7 @@ def test_a_part_with_no_intact_copy_falls_back_to_the_older_step(tmp_path: Path)
     ("point", "killed", "survives", "mode"),
     [
         ("local-writing", (1,), 2, "sync"),
+        ("local-writing-pieces", (1,), 2, "sync"),
         ("local-replicating", (2,), 2, "async"),
         ("local-between-phases", (0, 1, 2, 3), 2, "sync"),
         ("local-cleanup", (0,), 3, "sync"),
@@ -178,7 +201,12 @@ def test_a_part_with_no_intact_copy_falls_back_to_the_older_step(tmp_path: Path)
 def test_rank_killed_at_a_named_point_never_restores_a_torn_step(
     tmp_path: Path, point: str, killed: tuple[int, ...], survives: int, mode: str
 ):
-    _kill_then_restart(Job(tmp_path), point, killed, survives, mode)
+    """`local-writing-pieces`: `local-writing` with every module file in 4 pieces, so the
+    kill comes while the pieces' flushes run and before any record."""
+    pieces = point.endswith("-pieces")
+    _kill_then_restart(
+        Job(tmp_path), point.removesuffix("-pieces"), killed, survives, mode, pieces=pieces
+    )
 
 
 @pytest.mark.parametrize(
@@ -209,6 +237,7 @@ def _kill_then_restart(
     survives: int,
     mode: str,
     kept: tuple[set[int], set[int]] | None = None,
+    pieces: bool = False,
 ) -> None:
     """Save steps 1, 2, 3 with the ranks `killed` SIGKILLed at `point` of step 3's save; the
     restart restores step `survives` bit-exact on every rank, then saves step 4, deleting the
@@ -219,7 +248,10 @@ def _kill_then_restart(
         "1,2,3",
         "0",
         mode,
-        env=lambda r: {"LOCAL_FAULT": point} if r in killed else {},
+        env=lambda r: {
+            **({"LOCAL_FAULT": point} if r in killed else {}),
+            **({"LOCAL_PIECES": "4"} if pieces else {}),
+        },
     )
     for r, (code, res) in enumerate(results):
         if r in killed:

@@ -3,7 +3,9 @@
 
 Each rank's state is its own (seeded by rank, step and attempt), so a part restored to the
 wrong rank, from the wrong step or from another attempt changes the digest the test compares.
-`LOCAL_FAULT` arms `TRAINCKPT_FAULT_POINT` only before the last save of a run.
+`LOCAL_FAULT` arms `TRAINCKPT_FAULT_POINT` only before the last save of a run. `LOCAL_PIECES`
+cuts each part's module file into that many pieces (`local/part_write.py`; the test modules'
+parts are far smaller than a real piece).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for `sup
 from support import rank_worker  # noqa: E402
 from support.models import fresh_module, make_module  # noqa: E402
 from trainckpt import Checkpointer, CheckpointerConfig  # noqa: E402
+from trainckpt.local import part_write  # noqa: E402
 from trainckpt.testing.faults import ENV_VAR  # noqa: E402
 
 
@@ -54,7 +57,12 @@ def expected_digest(rank: int, step: int, attempt: int = 0) -> str:
 
 
 def _checkpointer(local: str) -> Checkpointer:
-    """The checkpointer of a scenario (`LOCAL_RF`, `LOCAL_JUMP`: its replication settings)."""
+    """The checkpointer of a scenario (`LOCAL_RF`, `LOCAL_JUMP`: its replication settings;
+    `LOCAL_PIECES`: pieces per module file)."""
+    if "LOCAL_PIECES" in os.environ:
+        pieces = int(os.environ["LOCAL_PIECES"])
+        part_write.PIECE_BYTES = 4 << 10  # the test parts are ~100 KB: always `pieces`
+        part_write.max_pieces = lambda: pieces  # type: ignore[assignment]
     replication = {
         key: int(os.environ[var])
         for key, var in (("replication_factor", "LOCAL_RF"), ("replication_jump", "LOCAL_JUMP"))

@@ -6,9 +6,12 @@
   step{S}/
     {attempt}/                  one save attempt of step S (id chosen by rank 0 of that save)
       rank{R}/                  the part of owner rank R: its own copy, or a replica
-        module.pt               the rank's module state (torch.save, local shards only)
+        module.pt               the rank's module state (torch.save, local shards only), or
+        module.0.pt, module.1.pt, ...  the same bytes cut into pieces (a large part: its
+                                pieces are written and flushed in parallel, `part_write.py`)
         train.pt                the rank's trainer state (torch.save of plain data)
-        part.json               written last: owner, step, attempt, world size, size + CRC32C
+        part.json               written last: owner, step, attempt, world size, and the size
+                                and CRC32C of every data file (every piece)
       commit.rank{H}.json       phase-2 marker of holder rank H: the parts H holds here
       rank{R}.{file}.restore.tmp  while restoring, only where the filesystem has no O_TMPFILE:
                                 a private copy's name for an instant (storage/private_file.py)
@@ -46,7 +49,12 @@ MODULE_FILE = "module.pt"
 TRAIN_FILE = "train.pt"
 PART_FILE = "part.json"
 PART_FILES = (MODULE_FILE, TRAIN_FILE)
-"""The data files of a part, in the order a transfer sends them."""
+"""The data files of a part, in the order a transfer sends them. Each is on disk under its own
+name, or cut into pieces `piece_name(name, 0)`, `piece_name(name, 1)`, ... (its bytes are the
+pieces' bytes in that order; `LocalPart.pieces`). Parts written before pieces existed (one file
+each) are the one-piece case and read as they always were."""
+MAX_PIECES = 64
+"""Most pieces one data file may be cut into (a record listing more is refused)."""
 MAX_RECORD_BYTES = 64 * 1024
 """Largest `part.json` or commit marker read (they hold a few hundred bytes)."""
 
@@ -55,6 +63,12 @@ _ATTEMPT_PATTERN = r"^[0-9a-f]{16}-[0-9a-f]{8}$"
 _ATTEMPT_RE = re.compile(_ATTEMPT_PATTERN)
 _PART_RE = re.compile(r"^rank(\d{1,9})$")
 _COMMIT_RE = re.compile(r"^commit\.rank(\d{1,9})\.json$")
+
+
+def piece_name(name: str, index: int) -> str:
+    """The file name of piece `index` of data file `name` (`module.pt`, 1 -> `module.1.pt`)."""
+    stem, _dot, suffix = name.rpartition(".")
+    return f"{stem}.{index}.{suffix}"
 
 
 def new_attempt_id() -> str:
@@ -90,16 +104,57 @@ class LocalPart(BaseModel):
     world_size: int = Field(ge=1)
     files: dict[str, FileEntry]
 
+    """Every file on disk holding the part's bytes (a data file of `PART_FILES`, or its pieces)
+    with its size and CRC32C."""
+
     @field_validator("files")
     @classmethod
     def _exactly_the_part_files(cls, files: dict[str, FileEntry]) -> dict[str, FileEntry]:
-        if set(files) != set(PART_FILES):
-            raise ValueError(f"must list exactly {list(PART_FILES)}, lists {sorted(files)}")
+        listed = 0
+        for name in PART_FILES:
+            count = len(_piece_names(name, files))
+            if count == 0:
+                raise ValueError(
+                    f"must list '{name}' or its pieces '{piece_name(name, 0)}', "
+                    f"'{piece_name(name, 1)}', ... (at most {MAX_PIECES}); lists {sorted(files)}"
+                )
+            listed += count
+        if listed != len(files):
+            raise ValueError(
+                f"lists files that are no data file of a part or no piece of one in order: "
+                f"{sorted(files)}"
+            )
         return files
+
+    def pieces(self, name: str) -> list[tuple[str, FileEntry]]:
+        """The files holding data file `name` (one of `PART_FILES`), in order: `name` itself,
+        or its pieces."""
+        return [(f, self.files[f]) for f in _piece_names(name, self.files)]
+
+    def stream(self) -> list[tuple[str, str, FileEntry]]:
+        """(data file, file on disk, its entry) in the order a transfer sends the part's
+        bytes: the data files in `PART_FILES` order, each piece by piece."""
+        return [(name, f, e) for name in PART_FILES for f, e in self.pieces(name)]
+
+    def file_size(self, name: str) -> int:
+        """Bytes of data file `name`, all its pieces together."""
+        return sum(e.size for _f, e in self.pieces(name))
 
     @property
     def size(self) -> int:
         return sum(e.size for e in self.files.values())
+
+
+def _piece_names(name: str, files: dict[str, FileEntry]) -> list[str]:
+    """The files of `files` that hold data file `name`: `[name]`, or its pieces `0 .. k-1`
+    (the run of consecutive pieces from 0; nothing when both or neither are listed)."""
+    whole = name in files
+    pieces: list[str] = []
+    while len(pieces) < MAX_PIECES and piece_name(name, len(pieces)) in files:
+        pieces.append(piece_name(name, len(pieces)))
+    if whole == bool(pieces):
+        return []
+    return [name] if whole else pieces
 
 
 class LocalCommit(BaseModel):

@@ -5,11 +5,11 @@ part's record, and the checked copy's states read back. Nothing read is ever unp
 
 from __future__ import annotations
 
+import functools
+import os
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
-
-import google_crc32c
 
 from trainckpt.core.cuda_calls import CudaCalls
 from trainckpt.core.trainer_tensors import on_rank_device
@@ -25,16 +25,20 @@ from trainckpt.local.layout import (
     read_local_record,
 )
 from trainckpt.local.part_read import PartReader, Splitter
+from trainckpt.storage.checksummed_file import crc32c_extend
 from trainckpt.storage.checksums import FileEntry
 from trainckpt.storage.private_file import PrivateFile
 
 
 class PrivateCopy:
-    """A part's files copied into private files (`storage/private_file.py`) in the attempt
-    folder, each file's CRC32C computed from exactly the bytes written into it and checked
-    against the part's record when the copy is closed. Loading from it loads what was checked,
-    whatever happens to the part's own files meanwhile (check what you copy). A sink of
-    `exchange` (a copy received from a holder), or filled from the own copy (`copy_own`)."""
+    """A part's data files copied into private files (`storage/private_file.py`) in the attempt
+    folder, one per data file (its pieces, if any, one after another), the CRC32C of each
+    computed from exactly the bytes written into the copy and checked against the part's
+    record when the copy is closed (a file in pieces against its pieces' CRC32Cs combined, so
+    every byte is CRC'd once; a mismatch is then narrowed down to the piece, to name it).
+    Loading from it loads what was checked, whatever happens to the part's own files meanwhile
+    (check what you copy). A sink of `exchange` (a copy received from a holder), or filled
+    from the own copy (`copy_own`)."""
 
     def __init__(self, folder: Path, part: LocalPart, source: str) -> None:
         self.part, self._split = part, Splitter(part)
@@ -43,20 +47,41 @@ class PrivateCopy:
         self.files = {
             name: PrivateFile(folder, f"{owner}.{name}.restore.tmp") for name in PART_FILES
         }
+        self._into = {f: name for name, f, _e in part.stream()}
+        """The data file each file on disk (piece) is copied into."""
         self.checked = False
 
     def write(self, data: memoryview) -> None:
-        for name, piece, _done in self._split.pieces(data):
-            self.files[name].write(piece)
+        for f, piece, _done in self._split.pieces(data):
+            self.files[self._into[f]].write(piece)
 
     def close(self) -> None:
-        """Check every file against the record (`CorruptCheckpointError` naming it)."""
+        """Check every data file against the record (`CorruptCheckpointError` naming the file,
+        or the piece, that differs)."""
         if self.checked:
             return
         for name in PART_FILES:
-            where = f"'{name}' of {self.source}, as copied for the restore"
-            check_entry(self.files[name].entry(), self.part.files[name], where)
+            pieces = self.part.pieces(name)
+            got = self.files[name].entry()
+            if got != combined(pieces):
+                self._name_damaged_piece(name, pieces)
+            check_entry(got, combined(pieces), f"'{name}' of {self.source}, as copied")
         self.checked = True
+
+    def _name_damaged_piece(self, name: str, pieces: list[tuple[str, FileEntry]]) -> None:
+        """Raise for the first piece of `name` whose bytes in the copy differ from the record
+        (read back from the copy: what was written there is what was checked)."""
+        fd, offset = self.files[name].fd, 0
+        for f, want in pieces:
+            crc, size = 0, 0
+            while size < want.size:
+                data = os.pread(fd, min(_COPY_CHUNK, want.size - size), offset + size)
+                if not data:
+                    break
+                crc, size = crc32c_extend(crc, memoryview(data)), size + len(data)
+            got = FileEntry(size=size, crc32c=f"{crc:08x}")
+            check_entry(got, want, f"'{f}' of {self.source}, as copied for the restore")
+            offset += want.size
 
     def drop(self) -> None:
         """Free the files (a failed copy)."""
@@ -68,6 +93,54 @@ class PrivateCopy:
 
     def __exit__(self, *exc: object) -> None:
         self.drop()
+
+
+def combined(pieces: list[tuple[str, FileEntry]]) -> FileEntry:
+    """Size and CRC32C of the pieces' bytes one after another, from their entries alone."""
+    crc, size = int(pieces[0][1].crc32c, 16), pieces[0][1].size
+    for _f, entry in pieces[1:]:
+        crc = crc32c_combine(crc, int(entry.crc32c, 16), entry.size)
+        size += entry.size
+    return FileEntry(size=size, crc32c=f"{crc:08x}")
+
+
+_CRC32C_POLY = 0x82F63B78
+"""The CRC32C polynomial, bit-reflected."""
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC32C of A + B from CRC32C(A), CRC32C(B) and len(B) (zlib's `crc32_combine`: the
+    register of A run through `len2` zero bytes, as GF(2) matrix powers, then B's CRC)."""
+    k = 0
+    while len2:
+        if len2 & 1:
+            crc1 = _times(_zero_bytes(k), crc1)
+        len2 >>= 1
+        k += 1
+    return crc1 ^ crc2
+
+
+@functools.cache
+def _zero_bytes(k: int) -> tuple[int, ...]:
+    """The GF(2) matrix (32 columns) that runs a CRC32C register through 2**k zero bytes."""
+    if k > 0:
+        return _square(_zero_bytes(k - 1))
+    one_bit = (_CRC32C_POLY, *(1 << n for n in range(31)))
+    return _square(_square(_square(one_bit)))
+
+
+def _times(matrix: tuple[int, ...], vector: int) -> int:
+    out, i = 0, 0
+    while vector:
+        if vector & 1:
+            out ^= matrix[i]
+        vector >>= 1
+        i += 1
+    return out
+
+
+def _square(matrix: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(_times(matrix, column) for column in matrix)
 
 
 _COPY_CHUNK = 8 << 20
@@ -108,13 +181,22 @@ def load_part(copy: PrivateCopy) -> tuple[dict[str, Any], dict[str, Any]]:
         raise CorruptCheckpointError(f"{where} holds no state dict")
     data = copy.files[TRAIN_FILE].read_all()
     train_where = f"'{TRAIN_FILE}' of {copy.source}, as copied and checked"
-    _check(data, copy.part.files[TRAIN_FILE], train_where)
+    _check(data, copy.part.pieces(TRAIN_FILE), copy.source)
     return state, deserialize_trainer_state(data, train_where, on_rank_device(CudaCalls()))
 
 
-def _check(data: bytes, entry: FileEntry, where: str) -> None:
-    got = FileEntry(size=len(data), crc32c=f"{google_crc32c.value(data):08x}")
-    check_entry(got, entry, where)
+def _check(data: bytes, pieces: list[tuple[str, FileEntry]], source: str) -> None:
+    """Check `data`, a whole data file of `source` as copied, piece by piece against the
+    record's `pieces` (one piece: the file itself)."""
+    view, start = memoryview(data), 0
+    for f, entry in pieces:
+        chunk = view[start : start + entry.size]
+        got = FileEntry(size=len(chunk), crc32c=f"{crc32c_extend(0, chunk):08x}")
+        check_entry(got, entry, f"'{f}' of {source}, as copied and checked")
+        start += entry.size
+    if start != len(data):
+        where = f"'{pieces[0][0]}' ... of {source}, as copied and checked"
+        check_entry(None, FileEntry(size=start, crc32c=pieces[-1][1].crc32c), where)
 
 
 def check_entry(got: FileEntry | None, want: FileEntry, where: str) -> None:

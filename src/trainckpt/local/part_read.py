@@ -1,6 +1,7 @@
-"""A local-tier part as one stream of bytes (its data files in `PART_FILES` order, each exactly
-the size its `part.json` says): `PartReader` reads a part's files out as that stream (the source
-of a replica or a restore copy), `Splitter` cuts an incoming stream back into its files."""
+"""A local-tier part as one stream of bytes (its files in `LocalPart.stream` order: the data
+files in `PART_FILES` order, each piece by piece, each exactly the size its `part.json` says):
+`PartReader` reads a part's files out as that stream (the source of a replica or a restore
+copy), `Splitter` cuts an incoming stream back into its files."""
 
 from __future__ import annotations
 
@@ -9,17 +10,18 @@ from pathlib import Path
 from typing import Any
 
 from trainckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
-from trainckpt.local.layout import PART_FILES, LocalPart
+from trainckpt.local.layout import LocalPart
 
 
 class PartReader:
-    """The data files of a part as one stream, in `PART_FILES` order, each exactly the size
-    its record says (a shorter file is an error; the reader never reads past a size)."""
+    """The files of a part as one stream, in `LocalPart.stream` order, each exactly the size
+    its record says (a shorter file is an error naming it; the reader never reads past a
+    size)."""
 
     def __init__(self, folder: Path, part: LocalPart | None) -> None:
         if part is None:
             raise CheckpointNotFoundError(f"no part record for '{folder}'")
-        self._plan = [(folder / name, part.files[name].size) for name in PART_FILES]
+        self._plan = [(folder / f, e.size) for _name, f, e in part.stream()]
         self._stack = ExitStack()
         self._file: Any = None
         self._left = 0
@@ -49,20 +51,21 @@ class PartReader:
 
 
 class Splitter:
-    """Cuts the incoming stream of a part into its files, by the sizes in its record."""
+    """Cuts the incoming stream of a part into its files (pieces), by the sizes in its
+    record."""
 
     def __init__(self, part: LocalPart) -> None:
         self.part = part
-        self._plan = [(name, part.files[name].size) for name in PART_FILES]
+        self._plan = [(f, e.size) for _name, f, e in part.stream()]
         self._index = 0
-        self._left = part.files[PART_FILES[0]].size
+        self._left = self._plan[0][1]
 
     @property
     def finished(self) -> bool:
         return self._index == len(self._plan)
 
     def pieces(self, data: memoryview) -> list[tuple[str, memoryview, bool]]:
-        """(file name, bytes of it, whether that file is complete after them)."""
+        """(file name on disk, bytes of it, whether that file is complete after them)."""
         out = []
         pos = 0
         while self._index < len(self._plan):

@@ -1,14 +1,16 @@
-"""Writing local-tier parts: a rank's own part (torch.save of its local shards, timed phase by
-phase), and a replica received from its owner (`PartWriter`, the way its disk takes replicas
-best, checked against the owner's record). Every file and folder is fsynced before it counts."""
+"""Writing local-tier parts: a rank's own part (torch.save of its local shards, cut into pieces
+that are flushed in parallel, timed phase by phase), and a replica received from its owner
+(`PartWriter`, the same pieces, the way its disk takes replicas best, checked against the
+owner's record). Every file and folder is fsynced before the part's record is written, and
+the record before it counts (docs/design.md §9, docs/local-tier.md)."""
 
 from __future__ import annotations
 
 import os
 import pickle
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, cast
 
@@ -17,10 +19,10 @@ import torch
 from trainckpt.local.layout import (
     MODULE_FILE,
     PART_FILE,
-    PART_FILES,
     TRAIN_FILE,
     LocalPart,
     part_dir,
+    piece_name,
     write_local_record,
 )
 from trainckpt.local.module_state import local_view
@@ -33,6 +35,26 @@ from trainckpt.storage.checksums import FileEntry
 from trainckpt.storage.local import fsync_dir, writing
 from trainckpt.testing.faults import fault_point
 
+PIECE_BYTES = 64 << 20
+"""A data file of a part is cut into a piece per this many bytes (at most `max_pieces()`)."""
+
+
+PIECE_ALIGN = 4096
+"""Piece sizes (but the last's) are multiples of this: each piece starts page-aligned in the
+transfer's page-aligned chunk buffers, so a replica written with `O_DIRECT` writes every piece
+from the buffer in place (`storage/direct_file.py`) instead of copying it."""
+
+
+def max_pieces() -> int:
+    """Most pieces a part's module file is cut into: as many as `save()` has writer threads by
+    default (`saving.default_threads`: min(4, CPUs)), whose files flush in parallel too."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def piece_count(nbytes: int) -> int:
+    """Pieces for a data file of about `nbytes`: one per `PIECE_BYTES`, 1 to `max_pieces()`."""
+    return max(1, min(max_pieces(), -(-nbytes // PIECE_BYTES)))
+
 
 def write_own_part(
     root: Path,
@@ -44,20 +66,36 @@ def write_own_part(
     world: int,
     clock: PhaseClock,
 ) -> LocalPart:
-    """Write this rank's own part of `step` under `root` (module state as local shards, trainer
-    state, then `part.json` with sizes and CRC32C), every file and folder fsynced, the time
-    of each phase booked into `clock`. Called on: each rank, for its own part."""
+    """Write this rank's own part of `step` under `root` (module state as local shards, cut
+    into `piece_count` pieces of its tensor bytes; trainer state; then `part.json` with the
+    size and CRC32C of every file), every file and folder fsynced, the time of each phase
+    booked into `clock`. Each piece is flushed and fsynced on a thread of its own as soon as
+    it is full, while the next one is written (one file fsynced at the end waited for all of
+    its bytes at once); `part.json` is written only once every piece is durable, so a crash
+    before leaves a part without a record, which never counts. Called on: each rank, for its
+    own part."""
     folder = part_dir(root, step, attempt, rank)
     with writing(folder):
         folder.mkdir(parents=True)
-    files: dict[str, FileEntry] = {}
-    with _timed_file(folder / MODULE_FILE, clock) as w:
-        _torch_save_without_zip_crc(local_view(state), w)
-    files[MODULE_FILE] = w.entry()
-    fault_point("local-writing")
-    with _timed_file(folder / TRAIN_FILE, clock) as w:
-        w.write(trainer_bytes)
-    files[TRAIN_FILE] = w.entry()
+    view = local_view(state)
+    expected = _tensor_bytes(view)
+    count = piece_count(expected)
+    with ThreadPoolExecutor(count + 1, thread_name_prefix="trainckpt-local-flush") as flusher:
+        module = _Pieces(folder, MODULE_FILE, count, expected, clock, flusher)
+        trainer = _Pieces(folder, TRAIN_FILE, 1, len(trainer_bytes), clock, flusher)
+        try:
+            start = time.perf_counter()
+            _torch_save_without_zip_crc(view, module)
+            module.seal()
+            clock.add("serialize", time.perf_counter() - start - module.booked)
+            fault_point("local-writing")  # module pieces handed to their flushes
+            trainer.write(trainer_bytes)
+            trainer.seal()
+            with clock("fsync"):  # what the flushes still take once all is written
+                files = {**module.entries(), **trainer.entries()}
+        finally:
+            module.abandon()
+            trainer.abandon()
     part = LocalPart(step=step, attempt=attempt, owner=rank, world_size=world, files=files)
     with clock("fsync"):
         write_local_record(folder / PART_FILE, part)
@@ -65,26 +103,144 @@ def write_own_part(
     return part
 
 
+def _tensor_bytes(state: Any) -> int:
+    """Bytes of the tensors in `state` (nested dicts and lists): about a module file's size."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(_tensor_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in state)
+    return 0
+
+
 _WRITE_BUFFER = 1 << 20
 """Buffer of the own part's files (torch.save's small header writes; large ones pass)."""
 
 
+class _Pieces:
+    """A write-only file object (`write`, `tell`, `flush`: enough for `torch.save`) whose bytes
+    go to `count` piece files of data file `name` in turn (the expected size split evenly,
+    rounded up to `PIECE_ALIGN`; the last piece takes whatever is left), or to `name` itself when
+    `count` is 1. A full piece is flushed and fsynced on `flusher` while the next is written.
+    Its time is booked into `clock` (`crc`, `write`; `booked` is their sum)."""
+
+    def __init__(
+        self,
+        folder: Path,
+        name: str,
+        count: int,
+        expected: int,
+        clock: PhaseClock,
+        flusher: ThreadPoolExecutor,
+    ) -> None:
+        self._folder, self._name, self._count = folder, name, count
+        self._target = -(-max(1, -(-expected // count)) // PIECE_ALIGN) * PIECE_ALIGN
+        self._clock, self._flusher = clock, flusher
+        self._size = 0
+        self._open: tuple[str, Any, _TimedWriter] | None = None
+        self._flushing: list[tuple[str, _TimedWriter, Future[None]]] = []
+        self.booked = 0.0
+
+    def _file_name(self, index: int) -> str:
+        return self._name if self._count == 1 else piece_name(self._name, index)
+
+    def _current(self) -> _TimedWriter:
+        if self._open is None:
+            name = self._file_name(len(self._flushing))
+            path = self._folder / name
+            with writing(path):
+                f = open(path, "xb", buffering=_WRITE_BUFFER)  # noqa: SIM115  # closed by _durable or abandon
+            self._open = (name, f, _TimedWriter(_TimedFile(f, self._clock), self._clock))
+        return self._open[2]
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            w = self._current()
+            last = len(self._flushing) == self._count - 1
+            take = len(view) - done
+            if not last:
+                take = min(take, self._target - w.tell())
+            start = time.perf_counter()
+            with writing(self._folder / self._file_name(len(self._flushing))):
+                w.write(view[done : done + take])
+            self.booked += time.perf_counter() - start
+            done += take
+            self._size += take
+            if not last and w.tell() >= self._target:
+                self._hand_over()
+        return len(view)
+
+    def tell(self) -> int:
+        return self._size
+
+    def flush(self) -> None:
+        """Nothing: each piece is flushed when it is full, the last one by `seal`."""
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def seal(self) -> None:
+        """The data file is complete: hand over its last piece (an empty file if nothing was
+        written at all)."""
+        self._current()
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Flush the open piece's buffer here, its fsync and close on the flusher."""
+        assert self._open is not None
+        name, f, w = self._open
+        start = time.perf_counter()
+        with writing(self._folder / name):
+            w.flush()  # if this fails, the piece stays open and `abandon` closes it
+        self.booked += time.perf_counter() - start
+        self._open = None
+        self._flushing.append((name, w, self._flusher.submit(_durable, self._folder / name, f)))
+
+    def entries(self) -> dict[str, FileEntry]:
+        """Size and CRC32C of every piece, once all are durable (waits for the flushes)."""
+        out = {}
+        for name, w, done in self._flushing:
+            done.result()
+            out[name] = w.entry()
+        return out
+
+    def abandon(self) -> None:
+        """Close what is still open (after a failure; the part then never counts)."""
+        if self._open is not None:
+            self._open[1].close()
+            self._open = None
+        for _name, _w, done in self._flushing:
+            done.exception()  # wait: no file is closed under its flush
+
+
+def _durable(path: Path, f: Any) -> None:
+    """fsync and close a flushed file (on a flusher thread)."""
+    try:
+        with writing(path):
+            os.fsync(f.fileno())
+    finally:
+        f.close()
+
+
 class _TimedWriter(ChecksummedWriter):
     """A `ChecksummedWriter` that books its time: `crc` (its own work) and `write` (the
-    file's, through `_TimedFile`); `serialize` is what the caller spends between writes."""
+    file's, through `_TimedFile`)."""
 
     def __init__(self, f: _TimedFile, clock: PhaseClock) -> None:
         super().__init__(f)
         self._clock = clock
         self._timed_file = f
-        self.crc_seconds = 0.0
 
     def write(self, data: Any) -> int:
         start, written = time.perf_counter(), self._timed_file.seconds
         n = super().write(data)
-        crc = time.perf_counter() - start - (self._timed_file.seconds - written)
-        self.crc_seconds += crc
-        self._clock.add("crc", crc)
+        self._clock.add("crc", time.perf_counter() - start - (self._timed_file.seconds - written))
         return n
 
 
@@ -107,27 +263,12 @@ class _TimedFile:
             self._f.flush()
 
 
-@contextmanager
-def _timed_file(path: Path, clock: PhaseClock) -> Iterator[ChecksummedWriter]:
-    """`checksummed_file` with its time booked into `clock` (`serialize`, `crc`, `write`,
-    `fsync`)."""
-    start = time.perf_counter()
-    with writing(path), open(path, "xb", buffering=_WRITE_BUFFER) as f:
-        timed = _TimedFile(f, clock)
-        w = _TimedWriter(timed, clock)
-        yield w
-        timed.flush()
-        booked = time.perf_counter() - start
-        with clock("fsync"):
-            os.fsync(f.fileno())
-    clock.add("serialize", booked - timed.seconds - w.crc_seconds)
-
-
 class PartWriter:
-    """A replica received from a holder: its files written the way its disk takes replicas
-    best (`replica_file`: past the page cache or through it, `direct`) and fsynced, each
-    file's CRC32C computed from the bytes as they arrive and checked against the owner's record
-    at the end, then the record written last and the folders fsynced."""
+    """A replica received from a holder: its files (pieces) written the way its disk takes
+    replicas best (`replica_file`: past the page cache or through it, `direct`), each fsynced
+    on a flusher thread as soon as its last byte is in while the next one is written, each
+    CRC32C checked against the owner's record at the end, then the record written last and
+    the folders fsynced."""
 
     def __init__(self, root: Path, folder: Path, part: LocalPart, direct: bool) -> None:
         self._root, self._folder, self._split = root, folder, Splitter(part)
@@ -136,7 +277,10 @@ class PartWriter:
             folder.mkdir(parents=True)
         self._stack = ExitStack()
         self._writer: ReplicaWriter | None = None
-        self._entries: dict[str, FileEntry] = {}
+        self._flusher = ThreadPoolExecutor(
+            min(len(part.files), max_pieces() + 1), thread_name_prefix="trainckpt-local-flush"
+        )
+        self._flushing: list[tuple[str, ReplicaWriter, Future[None]]] = []
 
     def write(self, data: memoryview) -> None:
         for name, piece, done in self._split.pieces(data):
@@ -145,23 +289,30 @@ class PartWriter:
                 path = self._folder / name
                 writer = self._writer = self._stack.enter_context(replica_file(path, self._direct))
             writer.write(piece)
-            if done:
-                self._stack.close()  # the tail written and fsynced
-                self._entries[name] = writer.entry()
+            if done:  # the tail written and fsynced on the flusher
+                closing = self._stack.pop_all()
+                self._flushing.append((name, writer, self._flusher.submit(closing.close)))
                 self._writer = None
 
     def close(self) -> None:
-        if not self._split.finished:
-            self.write(memoryview(b""))  # creates the empty files left, if that is all
-        self._stack.close()
+        try:
+            if not self._split.finished:
+                self.write(memoryview(b""))  # creates the empty files left, if that is all
+        finally:
+            self._stack.close()
+            self._flusher.shutdown(wait=True)
+        entries = {}
+        for name, writer, done in self._flushing:
+            done.result()
+            entries[name] = writer.entry()
         part = self._split.part
-        for name in PART_FILES:
-            check_entry(self._entries.get(name), part.files[name], str(self._folder / name))
+        for name, want in part.files.items():
+            check_entry(entries.get(name), want, str(self._folder / name))
         write_local_record(self._folder / PART_FILE, part)
         _fsync_up_to(self._folder, self._root)
 
 
-def _torch_save_without_zip_crc(obj: Any, f: ChecksummedWriter) -> None:
+def _torch_save_without_zip_crc(obj: Any, f: Any) -> None:
     """`torch.save(obj, f)` without the CRC32 torch's zip writer computes of every record (a
     second pass over every byte, about a third of the write's time). `torch.load` does not
     need it, and the part's CRC32C covers every byte of the file. This goes through torch's

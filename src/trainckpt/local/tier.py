@@ -8,8 +8,9 @@ This module is the orchestration; the pieces it drives are `layout.py` (folders 
 holder), `retention.py` (what a disk keeps) and `module_state.py` (local shards in and out).
 
 Save (all ranks, the checkpointer's CPU group):
-1. Rank 0 picks an attempt id. Each rank writes its part (module state, trainer state, then
-   `part.json` with sizes and CRC32C), each file and folder fsynced.
+1. Rank 0 picks an attempt id. Each rank writes its part (module state, cut into pieces
+   flushed in parallel when it is large, trainer state, then `part.json` with the size and
+   CRC32C of every file), each file and folder fsynced.
 2. Each part is sent in pipelined chunks (`local/transfer.py`) to `replication_factor - 1`
    holders on other disks, `replication_jump` ranks apart; each holder writes it durably (past
    the page cache only where its disk measured faster so, `replica_file.py`) and checks every
@@ -382,11 +383,11 @@ PHASES = (
     "marker",
 )
 """The phases of a local save, as its log line and `local_save_seconds` name them: own part
-(`serialize`: torch.save's own work; `crc`; `write`: into the page cache; `fsync`: the files,
-`part.json` and folders), `agree` (the collectives of the two phases), replication (see
-`exchange`; `receive write` runs on a writer thread, overlapping the other replication
-phases), and the commit `marker`. Retention deletes after the commit, on a thread of its
-own (its log lines time it)."""
+(`serialize`: torch.save's own work; `crc`; `write`: into the page cache; `fsync`: waiting for
+the fsyncs of the pieces still running once all is written, then `part.json` and folders),
+`agree` (the collectives of the two phases), replication (see `exchange`; `receive write` runs
+on a writer thread, overlapping the other replication phases), and the commit `marker`.
+Retention deletes after the commit, on a thread of its own (its log lines time it)."""
 
 
 def _first_failure(
