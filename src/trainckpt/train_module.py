@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+from trainckpt import plain_state
 from trainckpt.errors import CheckpointError, ConfigurationError
 
 if TYPE_CHECKING:
@@ -132,50 +133,33 @@ class ModelAndOptim:
                 seen[name] = i
 
     def _model_state(self) -> dict[str, Any]:
-        return _merged(self._model_parts())
+        return _merged([part.model for part in self._parts(optim=False)])
 
-    def _model_parts(self) -> list[dict[str, Any]]:
-        return [get_model_state_dict(p, options=_opts()) for p in self.parts]
-
-    def _optim_state(self) -> dict[str, Any]:
-        return _merged(self._optim_parts())
-
-    def _optim_parts(self) -> list[dict[str, Any]]:
-        """Flattened optimizer state of each part. DCP fills the state of an optimizer that
-        has not stepped yet by stepping it with zero gradients (its step counter becomes 1);
-        that state is returned but taken off the optimizer again, so saving never changes
-        how training goes on."""
-        fresh = [not o.state for o in self.optims]
+    def _parts(self, optim: bool) -> list[_Part]:
+        """Each part's model state dict, and with `optim` its flattened optimizer state, as
+        DCP's `get_state_dict(..., flatten_optimizer_state_dict=True)` returns them: from
+        one plain walk where `plain_state` can be sure that is what DCP returns, else from
+        DCP. DCP fills the state of an optimizer that has not stepped yet by stepping it with
+        zero gradients (its step counter becomes 1); that state is returned but taken off
+        the optimizer again, so saving never changes how training goes on."""
+        optims = self.optims if optim else []
+        fresh = [not o.state for o in optims]
         try:
-            return [
-                get_optimizer_state_dict(p, o, options=_opts())
-                for p, o in zip(self.parts, self.optims, strict=True)
-            ]
+            return [_part(i, p, optims[i] if optims else None) for i, p in enumerate(self.parts)]
         finally:
-            for o, was_fresh in zip(self.optims, fresh, strict=True):
+            for o, was_fresh in zip(optims, fresh, strict=True):
                 if was_fresh:
                     o.state.clear()
 
     def state_dict_to_save(self) -> dict[str, Any]:
-        """Model and optimizer state of every part, from one `get_state_dict` per part: it
-        maps parameter names once for both (`get_model_state_dict` and
-        `get_optimizer_state_dict` each walk every parameter's name). An optimizer that has
-        not stepped yet is left without state, as `_optim_state` leaves it."""
-        if not self.optims:
-            return {"model": self._model_state()}
-        model: dict[str, Any] = {}
-        optim: dict[str, Any] = {}
-        fresh = [not o.state for o in self.optims]
-        try:
-            for p, o in zip(self.parts, self.optims, strict=True):
-                part_model, part_optim = get_state_dict(p, o, options=_opts())
-                model.update(part_model)
-                optim.update(part_optim)
-        finally:
-            for o, was_fresh in zip(self.optims, fresh, strict=True):
-                if was_fresh:
-                    o.state.clear()
-        return {"model": model, "optim": optim}
+        """Model and optimizer state of every part, one walk of each (DCP's `get_state_dict`
+        where the plain walk does not apply: it maps parameter names once for both). An
+        optimizer that has not stepped yet is left without state, as `_parts` leaves it."""
+        parts = self._parts(optim=bool(self.optims))
+        state = {"model": _merged([p.model for p in parts])}
+        if self.optims:
+            state["optim"] = _merged([p.optim or {} for p in parts])
+        return state
 
     def state_dict_to_load(self, metadata: Metadata, optim: bool | None = None) -> dict[str, Any]:
         has_optim = any(k.startswith("optim.") for k in metadata.state_dict_metadata)
@@ -193,31 +177,93 @@ class ModelAndOptim:
                 "load_optim_state=True but this ModelAndOptim has no optimizer; "
                 "pass the optimizer to ModelAndOptim(model, optim)"
             )
-        model_parts = self._model_parts()
-        state: dict[str, Any] = {"model": _merged(model_parts)}
-        optim_parts = self._optim_parts() if optim else None
-        if optim_parts is not None:
-            state["optim"] = _merged(optim_parts)
-        self._handed_out = _HandedOut(state, model_parts, optim_parts)
+        parts = self._parts(optim=optim)
+        state: dict[str, Any] = {"model": _merged([p.model for p in parts])}
+        if optim:
+            state["optim"] = _merged([p.optim or {} for p in parts])
+        self._handed_out = _HandedOut(state, parts)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Apply a state dict DCP filled in. For the dict `state_dict_to_load` handed out,
+        a part it walked plainly gets only what in-place loading did not do (extra states,
+        the optimizer's `param_groups` and state dict), as `plain_state` describes; anything
+        else goes through DCP's `set_model_state_dict`/`set_optimizer_state_dict`."""
         model_sd = state_dict.get("model")
         optim_sd = state_dict.get("optim") if self.optims else None
         handed_out, self._handed_out = self._handed_out, None
         for i, part in enumerate(self.parts):
             if model_sd is not None:
-                own = handed_out.model_keys(model_sd, i) if handed_out else None
-                if own is None:
-                    own = list(get_model_state_dict(part, options=_opts()))
-                set_model_state_dict(part, {k: model_sd[k] for k in own}, options=_opts())
+                plain = handed_out.plain(model_sd, i) if handed_out else None
+                reason = "not the state dict handed out" if plain is None else None
+                if plain is not None:
+                    reason = plain_state.apply_model(plain, model_sd)
+                if reason is not None:
+                    if plain is not None:
+                        log.debug("part %d: model loaded by DCP: %s", i, reason)
+                    own = handed_out.model_keys(model_sd, i) if handed_out else None
+                    if own is None:
+                        own = list(get_model_state_dict(part, options=_opts()))
+                    set_model_state_dict(part, {k: model_sd[k] for k in own}, options=_opts())
             if optim_sd is not None:
-                own = handed_out.optim_keys(optim_sd, i) if handed_out else None
-                if own is None:
-                    own = list(get_optimizer_state_dict(part, self.optims[i], options=_opts()))
-                set_optimizer_state_dict(
-                    part, self.optims[i], {k: optim_sd[k] for k in own}, options=_opts()
-                )
+                self._load_optim(i, optim_sd, handed_out)
+
+    def _load_optim(self, i: int, optim_sd: Any, handed_out: _HandedOut | None) -> None:
+        part, optim = self.parts[i], self.optims[i]
+        plain = handed_out.plain_optim(optim_sd, i) if handed_out else None
+        if plain is not None:
+            groups = plain_state.groups_to_load(optim, plain, optim_sd)
+            if not isinstance(groups, str):
+                plain_state.init_optim_state(optim)  # as DCP's set_optimizer_state_dict
+                state = plain_state.state_to_load(optim, plain, optim_sd)
+                if not isinstance(state, str):
+                    plain_state.load_optim(optim, state, groups)
+                    return
+                groups = state
+            log.debug("part %d: optimizer loaded by DCP: %s", i, groups)
+        own = handed_out.optim_keys(optim_sd, i) if handed_out else None
+        if own is None:
+            own = list(get_optimizer_state_dict(part, optim, options=_opts()))
+        set_optimizer_state_dict(part, optim, {k: optim_sd[k] for k in own}, options=_opts())
+
+
+class _Part:
+    """One model part's state dicts, and the plain walk they came from (None: from DCP;
+    `optim_plain`: the optimizer state too)."""
+
+    def __init__(
+        self,
+        model: dict[str, Any],
+        optim: dict[str, Any] | None,
+        plain: plain_state.PlainPart | None = None,
+        optim_plain: bool = False,
+    ) -> None:
+        self.model = model
+        self.optim = optim
+        self.plain = plain
+        self.optim_plain = optim_plain
+
+
+def _part(i: int, module: torch.nn.Module, optim: torch.optim.Optimizer | None) -> _Part:
+    """Part `i`'s state dicts (see `ModelAndOptim._parts`); logs which way they were made."""
+    walked = plain_state.walk(module)
+    reason = walked if isinstance(walked, str) else None
+    if reason is None and optim is not None:
+        assert not isinstance(walked, str)
+        reason = plain_state.optim_reason(optim, walked)
+        if reason is None:
+            plain_state.init_optim_state(optim)  # as DCP's get_optimizer_state_dict
+            reason = plain_state.state_reason(optim, walked)
+    if reason is None:
+        assert not isinstance(walked, str)
+        log.debug("part %d: state dicts from a plain walk", i)
+        flat = None if optim is None else plain_state.flat_optim(optim, walked)
+        return _Part(walked.model, flat, walked, optim is not None)
+    log.debug("part %d: state dicts from DCP: %s", i, reason)
+    if optim is None:
+        return _Part(get_model_state_dict(module, options=_opts()), None)
+    model, flat = get_state_dict(module, optim, options=_opts())
+    return _Part(model, flat)
 
 
 def _merged(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -227,28 +273,33 @@ def _merged(parts: list[dict[str, Any]]) -> dict[str, Any]:
 class _HandedOut:
     """The state dict `state_dict_to_load` last returned and the keys of each part in it, so
     that `load_state_dict` of that same dict splits it by part without building every part's
-    state dict again (a second full walk of DCP's `get_*_state_dict` per load)."""
+    state dict again (a second full walk of DCP's `get_*_state_dict` per load), and finds
+    the plain walk of each part that had one."""
 
-    def __init__(
-        self,
-        state: dict[str, Any],
-        model_parts: list[dict[str, Any]],
-        optim_parts: list[dict[str, Any]] | None,
-    ) -> None:
+    def __init__(self, state: dict[str, Any], parts: list[_Part]) -> None:
         self.model = state["model"]
         self.optim = state.get("optim")
-        self.model_parts = [list(p) for p in model_parts]
-        self.optim_parts = None if optim_parts is None else [list(p) for p in optim_parts]
+        self.parts = parts
 
     def model_keys(self, model_sd: Any, part: int) -> list[str] | None:
         """Part `part`'s keys, if `model_sd` is the model state handed out; else None."""
-        return self.model_parts[part] if model_sd is self.model else None
+        return list(self.parts[part].model) if model_sd is self.model else None
 
     def optim_keys(self, optim_sd: Any, part: int) -> list[str] | None:
         """Part `part`'s optimizer keys, if `optim_sd` is the optimizer state handed out."""
-        if optim_sd is not self.optim or self.optim_parts is None:
+        if optim_sd is not self.optim or self.parts[part].optim is None:
             return None
-        return self.optim_parts[part]
+        return list(self.parts[part].optim or {})
+
+    def plain(self, model_sd: Any, part: int) -> plain_state.PlainPart | None:
+        """Part `part`'s plain walk, if `model_sd` is the model state handed out."""
+        return self.parts[part].plain if model_sd is self.model else None
+
+    def plain_optim(self, optim_sd: Any, part: int) -> plain_state.PlainPart | None:
+        """Part `part`'s plain walk, if `optim_sd` is the optimizer state handed out and
+        the walk made it."""
+        p = self.parts[part]
+        return p.plain if optim_sd is self.optim and p.optim_plain else None
 
 
 class ModelWeights:

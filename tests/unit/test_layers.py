@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
         "manager",
         "save_events",  # the checkpoint events the manager logs
         "train_module",
+        "plain_state",  # train_module's plain walk of model and optimizer state
         "model_states",
     ),
     ("cli", "integrations", "olmo", "__main__"),  # olmo: a deprecated alias of integrations

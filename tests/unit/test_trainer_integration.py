@@ -222,17 +222,25 @@ def test_saving_does_not_change_a_fresh_optimizer(ckpt, tmp_path):
         assert torch.equal(with_save[k], v), k
 
 
-def test_a_load_builds_each_parts_state_dict_once(ckpt, tmp_path, monkeypatch):
+@pytest.mark.parametrize("plain", [True, False], ids=["plain_walk", "dcp"])
+def test_a_load_builds_each_parts_state_dict_once(ckpt, tmp_path, monkeypatch, plain):
     """`load_state_dict` of the state `state_dict_to_load` handed out splits it by part with
-    the keys it handed out (DCP's `get_*_state_dict` walks every entry: once per load, not
-    twice); any other state dict is still split by each part's own keys."""
-    from trainckpt import train_module
+    the keys it handed out (a plain walk or DCP's `get_state_dict` per part walks every
+    entry: once per load, not twice); any other state dict is still split by each part's own
+    keys."""
+    from trainckpt import plain_state, train_module
 
     src = _two_stages(seed=1)
     _train_stages(src)
     path = ckpt.save(tmp_path / "step2", src, {"step": 2})
     calls: list[str] = []
-    for name in ("get_model_state_dict", "get_optimizer_state_dict"):
+    real_walk = plain_state.walk
+    monkeypatch.setattr(
+        plain_state,
+        "walk",
+        lambda m: calls.append("walk") or (real_walk(m) if plain else "forced"),
+    )
+    for name in ("get_model_state_dict", "get_optimizer_state_dict", "get_state_dict"):
         real = getattr(train_module, name)
         monkeypatch.setattr(
             train_module,
@@ -241,7 +249,7 @@ def test_a_load_builds_each_parts_state_dict_once(ckpt, tmp_path, monkeypatch):
         )
     dst = _two_stages(seed=2)
     ckpt.load(path, dst)
-    assert sorted(calls) == ["get_model_state_dict"] * 2 + ["get_optimizer_state_dict"] * 2
+    assert calls == (["walk"] * 2 if plain else ["walk", "get_state_dict"] * 2)
     for k, v in _named_optim_state(src.parts, src.optims).items():
         assert torch.equal(v, _named_optim_state(dst.parts, dst.optims)[k]), k
 
