@@ -106,8 +106,10 @@ def test_spans_join_neighbouring_items_of_one_file(monkeypatch: pytest.MonkeyPat
         ("b", 6450, 10),  # another file
     ]
     run = [(_StorageInfo(n, o, ln), i) for i, (n, o, ln) in enumerate(places)]
-    spans = [[i for _, i in span] for span in _spans(run)]  # type: ignore[arg-type]
+    found = list(_spans(run))  # type: ignore[arg-type]
+    spans = [[i for _, i in span] for span, _ in found]
     assert spans == [[0, 1, 2, 3], [4, 5], [6], [7], [8]]
+    assert [end for _, end in found] == [305, 950, 1450, 6450, 6460]
     assert list(_spans([])) == []
 
 

@@ -21,6 +21,7 @@ from typing import IO, TYPE_CHECKING, Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint import _version
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import (
@@ -270,6 +271,7 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
         super().__init__()
         self.folder = folder
         self.parsed = plain_values.Parsed()
+        self._slots: dict[str, tuple[dict[str, Any], str]] = {}
 
     def set_up_planner(
         self,
@@ -277,33 +279,77 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
         metadata: Metadata | None = None,
         is_coordinator: bool = False,
     ) -> None:
-        self.flatten_sharded_tensors = _holds_sharded_tensor(state_dict)
-        super().set_up_planner(state_dict, metadata, is_coordinator)
+        flat = _flat_plain(state_dict) if self.flatten_state_dict else None
+        if flat is None:  # DCP's way: meta tensors, DTensors, lists, ...
+            self._slots = {}
+            self.flatten_sharded_tensors = _holds_sharded_tensor(state_dict)
+            super().set_up_planner(state_dict, metadata, is_coordinator)
+            return
+        # What DCP's `set_up_planner` makes of such a state, in one pass over it
+        self.original_state_dict = state_dict
+        self.state_dict, self.mappings, self._slots = flat
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> LoadPlan:
         assert self.metadata is not None
         saved = self.metadata.state_dict_metadata
         if not saved.keys() <= self.state_dict.keys():  # DCP tells older checkpoints' keys apart
+            self._slots = {}  # DCP may flatten anew, as PyTorch 2.3 did
             return super().create_local_plan()
         strict = not self.allow_partial_load
         items: list[ReadItem] = []
+        append = items.append
+        byte_io = LoadItemType.BYTE_IO
+        get = saved.get
         for fqn, obj in self.state_dict.items():
-            item = _whole_read_item(fqn, saved.get(fqn), obj)
+            md = get(fqn)
+            if type(md) is BytesStorageMetadata:  # most entries of an optimizer's state
+                index = MetadataIndex(fqn)
+                append(ReadItem(byte_io, index, _NO_OFFSET, index, _NO_OFFSET, _NO_OFFSET))
+                continue
+            item = _whole_read_item(fqn, md, obj)
             if item is not None:
-                items.append(item)
+                append(item)
             else:
                 one = create_default_local_load_plan({fqn: obj}, self.metadata, strict)
                 items.extend(one.items)
         return LoadPlan(items)
 
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        """The whole plain tensor a read item of `_whole_read_item` names, directly (what DCP's
+        lookup and narrowing return for it); anything else through DCP."""
+        index = read_item.dest_index
+        obj: Any = self.state_dict.get(index.fqn)
+        if (
+            type(obj) in _PLAIN_TENSORS
+            and index.offset is not None
+            and not any(index.offset)
+            and read_item.lengths == obj.size()
+            and not any(read_item.dest_offsets)
+        ):
+            return obj  # type: ignore[no-any-return]
+        return super().resolve_tensor(read_item)  # type: ignore[no-any-return]
+
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self.load_plain(read_item, value.read())
+
+    def load_plain(self, read_item: ReadItem, data: bytes) -> None:
+        """`load_bytes` given the item's bytes (the reader calls it when the planner has it:
+        no `io.BytesIO` per item). Each distinct item is parsed once (`plain_values.Parsed`)."""
         fqn = read_item.dest_index.fqn
-        obj = self.parsed.value(
-            value.read(),
-            lambda data: load_torch_plain(data, f"DCP value '{fqn}' in '{self.folder}'"),
-        )
+        obj = self.parsed.known(data)
+        if obj is plain_values.MISSING:
+            obj = self.parsed.value(
+                data,
+                lambda data: load_torch_plain(data, f"DCP value '{fqn}' in '{self.folder}'"),
+            )
         if not self.flatten_state_dict:
             self.state_dict[fqn] = obj
+            return
+        slot = self._slots.get(fqn)
+        if slot is not None:
+            slot[0][slot[1]] = obj
             return
         path = self.mappings[fqn]
         try:  # the state to load into has every container on the path already
@@ -313,6 +359,62 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
             parent[path[-1]] = obj
         except (KeyError, IndexError, TypeError):
             set_element(self.original_state_dict, path, obj)
+
+
+_PLAIN_LEAVES = frozenset({int, float, bool, str, bytes, complex, tuple, type(None)})
+
+
+class _NotPlain(Exception):
+    pass
+
+
+_Slots = dict[str, tuple[dict[str, Any], str]]
+"""For each flat key, the dict that holds its value and the key there."""
+
+
+def _flat_plain(
+    state: dict[str, Any],
+) -> tuple[dict[str, Any], dict[str, tuple[str | int, ...]], _Slots] | None:
+    """What DCP's flattening (`flatten_state_dict`) makes of `state`, when `state` is nested
+    plain dicts with string keys down to whole CPU/GPU tensors (`torch.Tensor` or `Parameter`,
+    not on the meta device) and plain values (`_PLAIN_LEAVES`): the flat state, DCP's
+    mappings (flat key -> path), and for each flat key the dict and key that hold it. None for
+    anything else (DTensors, ShardedTensors, lists, meta tensors, non-string keys, two paths
+    with one flat key): DCP then flattens it, and raises its errors. One pass, no per-entry
+    calls: at tens of thousands of entries, DCP's traversal was a tenth of a load."""
+    flat: dict[str, Any] = {}
+    mappings: dict[str, tuple[str | int, ...]] = {}
+    slots: _Slots = {}
+    tensors = _PLAIN_TENSORS
+    leaves = _PLAIN_LEAVES
+
+    def visit(d: dict[str, Any], path: tuple[str, ...], prefix: str) -> None:
+        for key, value in d.items():
+            if type(key) is not str:
+                raise _NotPlain
+            kind = type(value)
+            if kind is dict:
+                visit(value, (*path, key), f"{prefix}{key}.")
+                continue
+            if kind in tensors:
+                if value.is_meta:
+                    raise _NotPlain
+            elif kind not in leaves:
+                raise _NotPlain
+            fqn = prefix + key
+            if fqn in flat:
+                raise _NotPlain
+            flat[fqn] = value
+            mappings[fqn] = (*path, key)
+            slots[fqn] = (d, key)
+
+    if type(state) is not dict or _version._derived_version is not None:
+        return None
+    try:
+        visit(state, (), "")
+    except (_NotPlain, RecursionError):
+        return None
+    return flat, mappings, slots
 
 
 def _holds_sharded_tensor(state: Any) -> bool:

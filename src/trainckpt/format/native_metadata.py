@@ -34,6 +34,7 @@ import uuid
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -302,11 +303,19 @@ class _Decoder:
         files = self.strings(h["files"], "files")
         entries: dict[str, Any] = {}
         storage: dict[MetadataIndex, _StorageInfo] = {}
-        self.tensors(h["tensors"], table.tolist(), files, entries, storage)
-        self.byte_values(h["bytes"], files, entries, storage)
+        ints = table.tolist()
+        # The columns are checked at once (`_fast_*`); a record out of place is then found,
+        # and named, by the record-by-record checks, which also build what the fast ones do.
+        if not _fast_tensors(h["tensors"], ints, files, entries, storage):
+            self.tensors(h["tensors"], ints, files, entries, storage)
+        if not _fast_byte_values(h["bytes"], files, entries, storage):
+            self.byte_values(h["bytes"], files, entries, storage)
+        planner_data = _fast_planner_data(h["planner_data"])
+        if planner_data is None:
+            planner_data = self.planner_data(h["planner_data"])
         return Metadata(
             state_dict_metadata=entries,
-            planner_data=self.planner_data(h["planner_data"]),
+            planner_data=planner_data,
             storage_data=storage,
             storage_meta=self.storage_meta(h["storage_meta"]),
             version=self.optional_str(h["dcp_version"], "dcp_version"),
@@ -443,3 +452,147 @@ class _Decoder:
             load_id=self.optional_str(m["load_id"], "storage_meta.load_id"),
             modules=self.strings(m["modules"], "storage_meta.modules"),
         )
+
+
+# -- the same checks, column by column -----------------------------------------------------------
+#
+# A real record has tens of thousands of entries; checking each field of each one in Python was
+# most of a load's bookkeeping (`docs/scale.md`). These check each column with one call that
+# runs in C (`set(map(type, ...))`, `min`, `max`), then build the objects with no checks left.
+# They accept only what the record-by-record checks accept (they are stricter where it is
+# simpler: any doubt returns False or None, and the `_Decoder` checks then run, and name what
+# is wrong). Equal sizes share one `torch.Size` (immutable).
+
+
+def _types(column: Any) -> set[type]:
+    return set(map(type, column))
+
+
+def _ints_ok(column: Sequence[Any]) -> bool:
+    """Every value an int (not a bool) >= 0."""
+    return not column or (_types(column) == {int} and min(column) >= 0)
+
+
+def _columns(records: Any, width: int) -> list[tuple[Any, ...]] | None:
+    """`records` (a list of lists of `width` fields) as `width` columns; None if it is not."""
+    if type(records) is not list:
+        return None
+    if not records:
+        return [()] * width
+    if _types(records) != {list} or set(map(len, records)) != {width}:
+        return None
+    return list(zip(*records, strict=True))
+
+
+def _new_names(names: tuple[Any, ...], entries: dict[str, Any]) -> bool:
+    """Whether `names` are strings, distinct, and none of them in `entries` yet."""
+    return (
+        (not names or _types(names) == {str})
+        and len(set(names)) == len(names)
+        and entries.keys().isdisjoint(names)
+    )
+
+
+def _fast_tensors(
+    records: Any,
+    ints: list[int],
+    files: list[str],
+    entries: dict[str, Any],
+    storage: dict[MetadataIndex, _StorageInfo],
+) -> bool:
+    """`_Decoder.tensors`, column by column; False (nothing added) where in doubt."""
+    columns = _columns(records, 6)
+    if columns is None:
+        return False
+    fqns, dtype_names, grads, pins, sizes, counts = columns
+    if not _new_names(fqns, entries):
+        return False
+    if dtype_names and _types(dtype_names) != {str}:
+        return False
+    dtypes = [_DTYPES.get(name) for name in dtype_names]
+    if any(d is None for d in dtypes) or not (_types(grads) | _types(pins)) <= {bool}:
+        return False
+    if sizes and (_types(sizes) != {list} or max(map(len, sizes)) > MAX_NDIM):
+        return False
+    if not _ints_ok([n for size in sizes for n in size]) or not _ints_ok(counts):
+        return False
+    widths = [2 * len(size) + _PER_CHUNK for size in sizes]
+    if sum(map(int.__mul__, counts, widths)) != len(ints):
+        return False
+    shapes: dict[tuple[int, ...], torch.Size] = {}
+    props: dict[tuple[torch.dtype, bool, bool], TensorProperties] = {}
+    built: dict[str, TensorStorageMetadata] = {}
+    places: dict[MetadataIndex, _StorageInfo] = {}
+    pos = 0
+    for fqn, dtype, grad, pinned, size, count, width in zip(
+        fqns, dtypes, grads, pins, sizes, counts, widths, strict=True
+    ):
+        ndim = len(size)
+        chunks = []
+        for _ in range(count):
+            row = ints[pos : pos + width]
+            pos += width
+            offsets = tuple(row[:ndim])
+            lengths = tuple(row[ndim : 2 * ndim])
+            hint, file, offset, length = row[2 * ndim :]
+            if file >= len(files):
+                return False
+            o = shapes.get(offsets) or shapes.setdefault(offsets, torch.Size(offsets))
+            n = shapes.get(lengths) or shapes.setdefault(lengths, torch.Size(lengths))
+            chunks.append(ChunkStorageMetadata(offsets=o, sizes=n))
+            places[MetadataIndex(fqn, o, hint - 1 if hint else None)] = _StorageInfo(
+                files[file], offset, length
+            )
+        key = (dtype, grad, pinned)
+        p = props.get(key)
+        if p is None:
+            p = props[key] = TensorProperties(dtype=dtype, requires_grad=grad, pin_memory=pinned)
+        whole = tuple(size)
+        shape = shapes.get(whole) or shapes.setdefault(whole, torch.Size(whole))
+        built[fqn] = TensorStorageMetadata(p, shape, chunks)
+    entries.update(built)
+    storage.update(places)
+    return True
+
+
+def _fast_byte_values(
+    records: Any,
+    files: list[str],
+    entries: dict[str, Any],
+    storage: dict[MetadataIndex, _StorageInfo],
+) -> bool:
+    """`_Decoder.byte_values`, column by column; False (nothing added) where in doubt."""
+    columns = _columns(records, 5)
+    if columns is None:
+        return False
+    fqns, hints, file_ids, offsets, lengths = columns
+    if not _new_names(fqns, entries):
+        return False
+    if not all(map(_ints_ok, (hints, file_ids, offsets, lengths))):
+        return False
+    if file_ids and max(file_ids) >= len(files):
+        return False
+    keys = map(MetadataIndex, fqns, repeat(None), [h - 1 if h else None for h in hints])
+    names = [files[f] for f in file_ids]
+    storage.update(zip(keys, map(_StorageInfo, names, offsets, lengths), strict=True))
+    entries.update(zip(fqns, map(_new_bytes_entry, fqns), strict=True))
+    return True
+
+
+def _new_bytes_entry(_: str) -> BytesStorageMetadata:
+    return BytesStorageMetadata()
+
+
+def _fast_planner_data(obj: Any) -> dict[str, tuple[str | int, ...]] | None:
+    """`_Decoder.planner_data`, column by column; None where in doubt (or null)."""
+    columns = _columns(obj, 2)
+    if columns is None:
+        return None
+    fqns, paths = columns
+    if fqns and _types(fqns) != {str}:
+        return None
+    if paths and _types(paths) != {list}:
+        return None
+    if not _types([p for path in paths for p in path]) <= _PATH_PART_TYPES:
+        return None
+    return dict(zip(fqns, map(tuple, paths), strict=True))

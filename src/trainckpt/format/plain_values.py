@@ -84,10 +84,14 @@ class Parsed:
     def __init__(self) -> None:
         self._values: dict[bytes, Any] = {}
 
+    def known(self, data: bytes) -> Any:
+        """The value an item of the bytes `data` parsed to, or `MISSING`."""
+        return self._values.get(data, MISSING)
+
     def value(self, data: bytes, parse: Callable[[bytes], Any]) -> Any:
         """`parse(data)`, or the value an item of the same bytes parsed to."""
-        found = self._values.get(data, _MISSING)
-        if found is not _MISSING:
+        found = self._values.get(data, MISSING)
+        if found is not MISSING:
             return found
         value = parse(data)
         if len(data) <= MAX_ITEM_BYTES and value_key(value) is not None:
@@ -95,4 +99,5 @@ class Parsed:
         return value
 
 
-_MISSING = object()
+MISSING: Any = object()
+"""What `Parsed.known` returns for bytes not parsed yet."""

@@ -26,6 +26,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import google_crc32c
+
 from trainckpt.errors import CorruptCheckpointError
 from trainckpt.storage.checksummed_file import crc32c_extend
 
@@ -37,6 +39,7 @@ _FOOTER = struct.Struct("<Q8s")
 _TAIL = 64 * 1024  # one read fetches the whole record of a shard with up to ~2,000 items
 _MAX_RECORD = 256 * 1024 * 1024
 _CHUNK = 8 << 20
+_SMALL = 1 << 20  # below this, checksummed_file copies to bytes anyway
 
 _REDO = "load an older checkpoint (Checkpointer.find_latest_good) or restore this one from a copy"
 
@@ -88,7 +91,7 @@ class ItemRecord:
                 f"'{where}' has no item of {len(data)} bytes at offset {offset} ({what}) in its "
                 f"item record; the file does not match the checkpoint's DCP metadata; {_REDO}"
             )
-        actual = _crc32c(data)
+        actual = crc32c(data)
         if actual != crc:
             raise CorruptCheckpointError(
                 f"'{where}' is corrupt: bytes {offset}-{offset + length} ({what}) have CRC32C "
@@ -127,8 +130,12 @@ def read(stream: Any, where: str) -> ItemRecord:
     return ItemRecord(file=file, save_id=save_id, items=items)
 
 
-def _crc32c(data: bytes | memoryview) -> int:
-    """In place, in chunks, without the interpreter lock where the native library is there."""
+def crc32c(data: bytes | memoryview) -> int:
+    """The CRC32C of `data`: small items (most of a state of many entries) in one call on a
+    copy; larger ones in place, in chunks, without the interpreter lock where the native
+    library is there."""
+    if len(data) < _SMALL:  # one copy and one call: less than addressing it in place
+        return google_crc32c.value(data if type(data) is bytes else bytes(data))  # type: ignore[no-any-return]
     view = memoryview(data).cast("B")
     crc = 0
     for start in range(0, len(view), _CHUNK):

@@ -124,11 +124,18 @@ class ParallelReader(FileSystemReader):
         records: dict[str, shard_checksums.ItemRecord],
     ) -> None:
         """Load the items of `run`: checked items span by span (one read, then each item's
-        CRC32C checked on its slice before it is used), unchecked ones one by one."""
+        CRC32C checked on its slice before it is used), unchecked ones one by one.
+
+        Per item, the least Python that keeps every check: the CRC32C is compared inline
+        (`ItemRecord.check_item` runs only to name a mismatch), and a plain value goes to the
+        planner's `load_plain` as bytes where it has one (no file object per item)."""
         buffer = _ItemBuffer()
+        load_plain: Callable[[ReadItem, bytes], None] | None = getattr(planner, "load_plain", None)
+        byte_io = LoadItemType.BYTE_IO
+        crc32c = shard_checksums.crc32c
         with ExitStack() as stack:
             streams: dict[str, tuple[Any, str]] = {}
-            for span in _spans(run):
+            for span, end in _spans(run):
                 name = span[0][0].relative_path
                 if name not in streams:
                     path = str(self.fs.concat_path(self.path, name))
@@ -140,13 +147,26 @@ class ParallelReader(FileSystemReader):
                         self._read_item(req, info, self._slice_file(stream, info), planner, lock)
                     continue
                 start = span[0][0].offset
-                end = max(info.offset + info.length for info, _ in span)
                 whole = _StorageInfo(name, start, end - start)
                 data = memoryview(buffer.read(self._slice_file(stream, whole), end - start))
+                listed = record.items.get
                 for info, req in span:
-                    item = data[info.offset - start : info.offset - start + info.length]
-                    record.check_item(path, info.offset, item, f"item '{req.storage_index.fqn}'")
-                    self._read_item(req, info, None, planner, lock, item)
+                    offset, length = info.offset, info.length
+                    item = data[offset - start : offset - start + length]
+                    plain = (
+                        load_plain is not None
+                        and req.type is byte_io
+                        and not info.transform_descriptors
+                    )
+                    raw = item.tobytes() if plain else item  # a plain value is kept as bytes
+                    if listed(offset) != (length, crc32c(raw)):
+                        record.check_item(path, offset, item, f"item '{req.storage_index.fqn}'")
+                        raise AssertionError("unreachable: the check above raises")
+                    if plain:
+                        with lock:
+                            load_plain(req, raw)  # type: ignore[misc, arg-type]
+                    else:
+                        self._read_item(req, info, None, planner, lock, item)
 
     def _read_item(
         self,
@@ -174,7 +194,8 @@ class ParallelReader(FileSystemReader):
         else:
             seekable = data if data.seekable() else io.BytesIO(data.read(-1))
             tensor = torch.load(seekable, map_location="cpu", weights_only=True)
-        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+        if req.lengths != tensor.size():  # a piece of the stored tensor
+            tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
         with lock:
             target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
@@ -187,27 +208,30 @@ class ParallelReader(FileSystemReader):
             planner.commit_tensor(req, target)
 
 
-def _spans(run: list[_Work]) -> Iterator[list[_Work]]:
+def _spans(run: list[_Work]) -> Iterator[tuple[list[_Work], int]]:
     """`run` (sorted by file and offset) cut into spans, each read with one read: items of
     one file at most `_MAX_GAP` bytes apart, at most `_SPAN_BYTES` from the first item's
-    start to the last one's end (or a single item)."""
+    start to the last one's end (or a single item). Each with the offset where it ends."""
     span: list[_Work] = []
     name, start, end = "", 0, 0
     for work in run:
         info = work[0]
+        offset = info.offset
+        stop = offset + info.length
         if span and (
-            info.relative_path != name
-            or info.offset > end + _MAX_GAP
-            or max(end, info.offset + info.length) - start > _SPAN_BYTES
+            offset > end + _MAX_GAP
+            or (stop if stop > end else end) - start > _SPAN_BYTES
+            or info.relative_path != name
         ):
-            yield span
+            yield span, end
             span = []
         if not span:
-            name, start, end = info.relative_path, info.offset, info.offset
+            name, start, end = info.relative_path, offset, offset
         span.append(work)
-        end = max(end, info.offset + info.length)
+        if stop > end:
+            end = stop
     if span:
-        yield span
+        yield span, end
 
 
 def _load_checked(data: bytes | memoryview) -> torch.Tensor:
@@ -351,6 +375,8 @@ def _in_memory(data: bytes | memoryview) -> IO[bytes]:
 
 def _split_runs(items: list[_T], n: int, size: Callable[[_T], int]) -> list[list[_T]]:
     """`items` cut into at most `n` contiguous runs of about equal total size."""
+    if n <= 1:
+        return [items] if items else []
     total = sum(size(i) for i in items)
     runs: list[list[_T]] = [[]]
     filled = 0

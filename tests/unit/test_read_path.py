@@ -1,0 +1,254 @@
+"""The per-item load path at scale (issue #25): the one-pass flattening of the state, plain
+values handed to the planner as bytes and parsed once per distinct value, CRC32C checked inline
+per item, and the native metadata's records checked column by column. Each keeps the promise
+of the slower path it replaces; these tests try to break that."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+from trainckpt.core.dcp import _flat_plain, _SafeLoadPlanner, load_state, save_state
+from trainckpt.errors import CorruptCheckpointError
+from trainckpt.format import native_metadata
+from trainckpt.format.dcp_metadata import read_dcp_metadata
+from trainckpt.storage.local import LocalStorage
+
+
+def _nested_state() -> dict[str, Any]:
+    """Plain values shaped like a flattened AdamW's: mostly equal, a few not."""
+    groups: dict[str, Any] = {}
+    for i in range(120):
+        groups[f"p{i}.lr"] = 0.001
+        groups[f"p{i}.betas"] = (0.9, 0.999)
+        groups[f"p{i}.amsgrad"] = False
+        groups[f"p{i}.eps"] = 1e-8
+    groups["p7.lr"] = 0.002  # one of 120 differs
+    groups["p8.betas"] = (0.9, 0.998)
+    groups["p9.eps"] = -0.0  # equal to 0.0 in Python, other bytes on disk
+    groups["p10.eps"] = 0.0
+    groups["p11.amsgrad"] = True
+    return {
+        "model": {f"w{i}": torch.full((3,), float(i)) for i in range(40)},
+        "optim": {"param_groups": groups, "step": 3},
+    }
+
+
+def _blank(state: Any) -> Any:
+    if isinstance(state, dict):
+        return {k: _blank(v) for k, v in state.items()}
+    return torch.zeros_like(state) if isinstance(state, torch.Tensor) else None
+
+
+def _save_load(tmp_path: Path, state: dict[str, Any]) -> dict[str, Any]:
+    folder = tmp_path / "dcp"
+    if not folder.exists():
+        save_state(state, folder, group=None, thread_count=1)
+    storage = LocalStorage()
+    md = read_dcp_metadata(storage, str(folder))
+    out = _blank(state)
+    load_state(out, storage, str(folder), md, group=None, thread_count=1)
+    return out  # type: ignore[no-any-return]
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal down to the bits: -0.0 is not 0.0, a tuple is not a list."""
+    if isinstance(a, dict):
+        return type(b) is dict and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, float):
+        return type(b) is float and math.copysign(1, a) == math.copysign(1, b) and a == b
+    if isinstance(a, tuple):
+        return type(b) is tuple and len(a) == len(b) and all(map(_same, a, b))
+    return type(a) is type(b) and a == b
+
+
+def test_each_plain_value_loads_as_its_own_even_among_many_equal_ones(tmp_path: Path) -> None:
+    state = _nested_state()
+    out = _save_load(tmp_path, state)
+    assert _same(out, state)
+    groups = out["optim"]["param_groups"]
+    assert groups["p7.lr"] == 0.002 and groups["p6.lr"] == 0.001
+    assert groups["p8.betas"] == (0.9, 0.998) and groups["p12.betas"] == (0.9, 0.999)
+    assert math.copysign(1, groups["p9.eps"]) == -1 and math.copysign(1, groups["p10.eps"]) == 1
+
+
+def test_a_flipped_byte_in_one_of_many_equal_plain_values_is_caught_and_named(
+    tmp_path: Path,
+) -> None:
+    """The values around it (read in the same read, with the same bytes before the damage) are
+    fine; the damaged one is refused by its own CRC32C, not passed over as a value seen before."""
+    state = _nested_state()
+    save_state(state, tmp_path / "dcp", group=None, thread_count=1)
+    md = read_dcp_metadata(LocalStorage(), str(tmp_path / "dcp"))
+    [info] = [s for i, s in md.storage_data.items() if i.fqn == "optim.param_groups.p57.lr"]
+    shard = tmp_path / "dcp" / info.relative_path
+    data = bytearray(shard.read_bytes())
+    data[info.offset + info.length // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError) as caught:
+        _save_load(tmp_path, state)
+    assert "item 'optim.param_groups.p57.lr'" in str(caught.value)
+    assert info.relative_path in str(caught.value) and "CRC32C" in str(caught.value)
+
+
+def test_a_plain_value_item_moved_onto_another_of_other_bytes_is_refused(tmp_path: Path) -> None:
+    """An item whose bytes are replaced by those of another value of the same length (a valid
+    plain value, so it would parse): the CRC32C recorded for that place refuses it."""
+    state = _nested_state()
+    save_state(state, tmp_path / "dcp", group=None, thread_count=1)
+    md = read_dcp_metadata(LocalStorage(), str(tmp_path / "dcp"))
+    places = {i.fqn: s for i, s in md.storage_data.items()}
+    src, dst = places["optim.param_groups.p7.lr"], places["optim.param_groups.p6.lr"]
+    assert src.length == dst.length and src.relative_path == dst.relative_path
+    shard = tmp_path / "dcp" / src.relative_path
+    data = bytearray(shard.read_bytes())
+    data[dst.offset : dst.offset + dst.length] = data[src.offset : src.offset + src.length]
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="item 'optim.param_groups.p6.lr'"):
+        _save_load(tmp_path, state)
+
+
+# -- the one-pass flattening ----------------------------------------------------------------
+
+
+def test_the_flat_state_and_mappings_are_dcps() -> None:
+    state = _nested_state()
+    state["top"] = torch.nn.Parameter(torch.ones(2))
+    state["empty"] = {}
+    state["more"] = {"t": (1, torch.zeros(1)), "n": None, "s": "x", "b": b"y", "c": 1j}
+    flat = _flat_plain(state)
+    assert flat is not None
+    expected, mappings = flatten_state_dict(state)
+    assert list(flat[0]) == list(expected) and all(flat[0][k] is expected[k] for k in expected)
+    assert flat[1] == mappings
+    for fqn, (parent, key) in flat[2].items():
+        assert parent[key] is expected[fqn]
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [
+        {"a": [1, 2]},  # DCP decides whether a list is a leaf
+        {"a": {1: 0.5}},  # DCP turns keys into strings
+        {"a.b": 1, "a": {"b": 2}},  # two paths, one flat key: DCP raises
+        {"t": torch.empty(2, device="meta")},  # DCP allocates it
+        {"o": object()},
+        {"m": torch.nn.ParameterDict()},  # a Mapping that is not a dict
+    ],
+)
+def test_anything_else_is_left_to_dcp(odd: dict[str, Any]) -> None:
+    assert _flat_plain(odd) is None
+
+
+def test_two_paths_to_one_key_still_fail_as_in_dcp() -> None:
+    planner = _SafeLoadPlanner()
+    with pytest.raises(ValueError, match="duplicated flatten key"):
+        planner.set_up_planner({"a.b": 1, "a": {"b": 2}})
+
+
+# -- the native metadata's columns --------------------------------------------------------------
+
+
+def _record(header: dict[str, Any], ints: list[int]) -> bytes:
+    head = json.dumps(header).encode()
+    table = b"".join(v.to_bytes(8, "little", signed=True) for v in ints)
+    return native_metadata.MAGIC + len(head).to_bytes(8, "little") + head + table
+
+
+def _header(**changes: Any) -> dict[str, Any]:
+    h: dict[str, Any] = {
+        "version": 1,
+        "dcp_version": "1.0.0",
+        "storage_meta": None,
+        "planner_data": [["w", ["w"]], ["v", ["v"]]],
+        "files": ["__0_0.distcp"],
+        "tensors": [["w", "float32", False, False, [4], 1]],
+        "bytes": [["v", 0, 0, 100, 20]],
+        "ints": 6,
+    }
+    return h | changes
+
+
+_INTS = [0, 4, 1, 0, 0, 100]
+
+
+def test_the_columns_build_what_the_records_do(tmp_path: Path) -> None:
+    """On a real record, the column checks accept it and build the very `Metadata` that the
+    record-by-record checks build."""
+    state = _nested_state()
+    save_state(state, tmp_path / "dcp", group=None, thread_count=1)
+    data = (tmp_path / "dcp" / ".metadata.trainckpt").read_bytes()
+    fast = native_metadata.decode(data, "rec")
+    slow = native_metadata._Decoder(data, "rec")
+    header = json.loads(data[16 : 16 + int.from_bytes(data[8:16], "little")])
+    entries: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    slow.tensors(header["tensors"], _table(data), header["files"], entries, storage)
+    slow.byte_values(header["bytes"], header["files"], entries, storage)
+    assert fast.state_dict_metadata == entries and fast.storage_data == storage
+    assert list(fast.state_dict_metadata) == list(entries)
+    assert fast.planner_data == slow.planner_data(header["planner_data"])
+
+
+def _table(data: bytes) -> list[int]:
+    start = 16 + int.from_bytes(data[8:16], "little")
+    return [int.from_bytes(data[i : i + 8], "little") for i in range(start, len(data), 8)]
+
+
+CRAFTED: dict[str, tuple[dict[str, Any], list[int], str]] = {
+    "a bool as a bytes hint": (_header(bytes=[["v", True, 0, 100, 20]]), _INTS, "place"),
+    "a float as an offset": (_header(bytes=[["v", 0, 0, 1.5, 20]]), _INTS, "place"),
+    "a bytes file not listed": (_header(bytes=[["v", 0, 1, 100, 20]]), _INTS, "place"),
+    "a negative length": (_header(bytes=[["v", 0, 0, 100, -1]]), _INTS, "place"),
+    "a bytes record of 4": (_header(bytes=[["v", 0, 0, 100]]), _INTS, "5 fields"),
+    "a bytes name of a tensor": (_header(bytes=[["w", 0, 0, 100, 20]]), _INTS, "bytes name"),
+    "a name twice": (
+        _header(bytes=[["v", 0, 0, 100, 20], ["v", 0, 0, 120, 20]]),
+        _INTS,
+        "bytes name",
+    ),
+    "a list in a size": (
+        _header(tensors=[["w", "float32", False, False, [[4]], 1]]),
+        _INTS,
+        "size",
+    ),
+    "a bool in a size": (
+        _header(tensors=[["w", "float32", False, False, [True], 1]]),
+        _INTS,
+        "size",
+    ),
+    "a dtype that is a list": (
+        _header(tensors=[["w", ["float32"], False, False, [4], 1]]),
+        _INTS,
+        "dtype",
+    ),
+    "a chunk count as text": (
+        _header(tensors=[["w", "float32", False, False, [4], "1"]]),
+        _INTS,
+        "chunks",
+    ),
+    "a chunk's file not listed": (_header(), [0, 4, 1, 1, 0, 100], "not listed"),
+    "a planner path with a float": (_header(planner_data=[["w", [1.5]]]), _INTS, "planner_data"),
+    "a planner path with a bool": (_header(planner_data=[["w", [True]]]), _INTS, "planner_data"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CRAFTED))
+def test_a_crafted_column_is_refused_and_named(name: str) -> None:
+    header, ints, why = CRAFTED[name]
+    with pytest.raises(CorruptCheckpointError, match=f"'rec'.*{why}"):
+        native_metadata.decode(_record(header, ints), "rec")
+
+
+def test_a_good_small_record_is_read_by_the_columns() -> None:
+    md = native_metadata.decode(_record(_header(), _INTS), "rec")
+    assert set(md.state_dict_metadata) == {"w", "v"}
+    assert md.planner_data == {"w": ("w",), "v": ("v",)}
