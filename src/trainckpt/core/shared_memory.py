@@ -137,14 +137,25 @@ def file_size_limit() -> int | None:
 
 def locate(t: torch.Tensor) -> tuple[Arena, Span] | None:
     """The shared arena holding `t`'s storage and where in it, or None if `t` is not in one."""
-    storage = t.untyped_storage()
-    address, size = storage.data_ptr(), storage.nbytes()
-    with _live_lock:
-        arenas = list(_live.values())
-    for arena in arenas:
-        if arena.address <= address and address + size <= arena.address + arena.size:
-            return arena, Span(arena.id, address - arena.address, size)
-    return None
+    return Locator().find(t)
+
+
+class Locator:
+    """`locate` for many tensors: the live arenas are listed once (a save looks up thousands of
+    tensors; arenas made after this is created are not seen)."""
+
+    def __init__(self) -> None:
+        with _live_lock:
+            self._arenas = [(a.address, a.address + a.size, a) for a in _live.values()]
+
+    def find(self, t: torch.Tensor) -> tuple[Arena, Span] | None:
+        """The arena holding `t`'s storage and where in it, or None if `t` is not in one."""
+        storage = t.untyped_storage()
+        address, size = storage.data_ptr(), storage.nbytes()
+        for start, end, arena in self._arenas:
+            if start <= address and address + size <= end:
+                return arena, Span(arena.id, address - start, size)
+        return None
 
 
 def _aligned(offset: int) -> int:

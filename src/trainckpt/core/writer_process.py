@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from trainckpt.core.shared_memory import Arena, Span, allocate, file_size_limit, locate
+from trainckpt.core.shared_memory import Arena, Locator, Span, allocate, file_size_limit
 from trainckpt.errors import CheckpointError, StorageError
 from trainckpt.format.shard_writer import ItemData, Shard, WrittenShard, write_shard
 from trainckpt.storage.local import write_failure
@@ -234,37 +234,59 @@ def _export(
     (filled into `arenas`), and the ids of the scratch arenas made for this save: a tensor
     outside every shared arena (a view `_resolve` cloned) is first copied into one. A tensor
     larger than the file-size limit fails the save as the threads' write of its file would (no
-    shared arena can hold it)."""
-    resolved = [(s.name, [s.resolve(item) for item in s.items]) for s in shards]
-    outside = {
-        id(d): (name, d)
-        for name, items in resolved
-        for d in items
-        if isinstance(d, torch.Tensor) and d.numel() and locate(d) is None
-    }
+    shared arena can hold it). One pass over the items, on the save's thread: with thousands
+    of entries, each lookup done twice was training's time too (the interpreter lock)."""
+    locator = Locator()
+    job: list[tuple[str, list]] = []
+    outside: dict[int, tuple[str, torch.Tensor, list[tuple[list, int]]]] = {}
+    for shard in shards:
+        refs: list[TensorRef | bytes | None] = []
+        for item in shard.items:
+            data = shard.resolve(item)
+            if not isinstance(data, torch.Tensor):
+                refs.append(data.getvalue() if isinstance(data, io.BytesIO) else bytes(data))
+                continue
+            found = locator.find(data) if data.numel() else None
+            if found is None and data.numel():
+                outside.setdefault(id(data), (shard.name, data, []))[2].append((refs, len(refs)))
+                refs.append(None)  # filled in once copied into a scratch arena
+                continue
+            refs.append(_reference(data, found, arenas))
+        job.append((shard.name, refs))
+    return job, _copy_outside(folder, outside, arenas)
+
+
+def _copy_outside(
+    folder: Path,
+    outside: dict[int, tuple[str, torch.Tensor, list[tuple[list, int]]]],
+    arenas: dict[str, Arena],
+) -> list[str]:
+    """Copy the tensors `_export` found outside every arena into new scratch arenas and put
+    their references in the places left for them; return the scratch arenas' ids."""
+    if not outside:
+        return []
     limit = file_size_limit()
-    for name, t in outside.values():
+    for name, t, _ in outside.values():
         if limit is not None and t.untyped_storage().nbytes() > limit:
             raise write_failure(folder / name, OSError(errno.EFBIG, os.strerror(errno.EFBIG)))
-    scratch: set[str] = set()
-    if outside:
-        tensors = [t for _, t in outside.values()]
-        places = allocate([t.untyped_storage().nbytes() for t in tensors], shared=True)
-        pairs = zip(tensors, places, strict=True)
-        copies = {id(t): arena.copy_of(offset, t) for t, (arena, offset) in pairs}
-        scratch = {arena.id for arena, _ in places}
-        resolved = [(name, [copies.get(id(d), d) for d in items]) for name, items in resolved]
-    job = [(name, [_reference(d, arenas) for d in items]) for name, items in resolved]
-    return job, sorted(scratch)
+    tensors = [t for _, t, _ in outside.values()]
+    places = allocate([t.untyped_storage().nbytes() for t in tensors], shared=True)
+    locator = Locator()
+    for (_, t, where), (arena, offset) in zip(outside.values(), places, strict=True):
+        copy = arena.copy_of(offset, t)
+        ref = _reference(copy, locator.find(copy), arenas)
+        for refs, i in where:
+            refs[i] = ref
+    return sorted({arena.id for arena, _ in places})
 
 
-def _reference(data: ItemData, arenas: dict[str, Arena]) -> TensorRef | bytes:
-    if not isinstance(data, torch.Tensor):
-        return data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+def _reference(
+    data: torch.Tensor, found: tuple[Arena, Span] | None, arenas: dict[str, Arena]
+) -> TensorRef:
+    """`data` as the writer process finds it: where its storage is (`found`; None for an empty
+    tensor) and its view of it; its arena joins `arenas`."""
     span = None
-    if data.numel():
-        found = locate(data)
-        assert found is not None  # _export copied every other tensor into an arena
+    if found is not None:
         arena, span = found
         arenas[arena.id] = arena
     return TensorRef(

@@ -358,7 +358,10 @@ def _resolve(planner: SavePlanner, item: WriteItem) -> ItemData:
     """The data of one item, on the CPU, as DCP's own writer prepares it."""
     data = planner.resolve_data(item)
     if isinstance(data, torch.Tensor):
-        data = data.detach().cpu()
+        if data.requires_grad:
+            data = data.detach()
+        if not data.is_cpu:
+            data = data.cpu()
         if data.untyped_storage().size() != data.nbytes:
             data = data.clone()  # a view: torch.save would write its whole storage
     return data
