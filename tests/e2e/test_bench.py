@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -59,7 +60,7 @@ def test_bench_runs_and_prints_its_table(tmp_path: Path) -> None:
     assert len(training) == 10  # 2 floors, 4 trainckpt modes, DCP thread and process, OLMo-core,
     # torch_checkpointing
     for name, r in training.items():
-        assert r["steps_during"]["min"] >= 1, name  # training went on during every save
+        assert _trained_during(r), name
         assert 0 < r["committed_s"]["min"] <= r["committed_s"]["max"], name
     assert list((tmp_path).iterdir()) == [out]  # the benchmark's own files are removed
 
@@ -90,7 +91,7 @@ def test_bench_scale_runs_and_prints_its_tables(tmp_path: Path) -> None:
     training = scale["training"]
     assert training["entries"] == 400
     for name, r in training["results"].items():  # the copy floor and three trainckpt modes
-        assert r["steps_during"]["min"] >= 1, name
+        assert _trained_during(r), name
         assert 0 < r["committed_s"]["min"], name
     assert len(training["results"]) == 4
     assert "target background save of 400 entries, best mode" in run.stdout
@@ -126,3 +127,10 @@ def _bench(args: list[str]) -> subprocess.CompletedProcess[str]:
     )
     assert run.returncode == 0, run.stderr[-3000:]
     return run
+
+
+def _trained_during(r: dict[str, Any]) -> bool:
+    """Training went on during every save of a training-loop row, unless the save committed
+    within one training step (the copy floor of a tiny state can, with no step started)."""
+    within_a_step = r["committed_s"]["max"] <= r["step_before_s"]["max"]
+    return r["steps_during"]["min"] >= 1 or within_a_step
