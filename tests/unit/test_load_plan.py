@@ -140,3 +140,22 @@ def test_nested_values_load_where_they_were(tmp_path: Path) -> None:
     assert blank["a"]["b"]["c"] == 1.5 and torch.equal(blank["a"]["b"]["t"], torch.arange(6.0))
     assert blank["a"]["lst"][0] == 1 and torch.equal(blank["a"]["lst"][1], torch.ones(2))
     assert blank["a"]["lst"][2] == {"d": "x"}
+
+
+def test_a_direct_plan_lists_what_dcps_plan_reads_whole() -> None:
+    """With `direct`, the values DCP reads whole (byte values, plain tensors in one chunk of
+    their size) are listed by name with the tensor to fill, not planned as read items; the
+    read items left are DCP's for everything else, and each listed entry's read item is the
+    one DCP plans."""
+    expected = _plan(DefaultLoadPlanner(), _state())
+    planner = _SafeLoadPlanner(direct=True)
+    state = _state()
+    rest = _plan(planner, state)
+    listed = {fqn: target for fqn, target in planner.direct_items}
+    assert sorted(listed) == ["as_bytes", "nested.list", "nested.n", "param", "scalar", "whole"]
+    assert listed["whole"] is state["whole"] and listed["nested.n"] is None
+    assert listed["as_bytes"] is None  # saved as bytes: a byte value, whatever it is now
+    assert rest == [i for i in expected if i.dest_index.fqn not in listed]
+    by_fqn = {i.dest_index.fqn: i for i in expected}
+    for fqn, target in planner.direct_items:
+        assert planner.direct_read_item(fqn, target) == by_fqn[fqn]

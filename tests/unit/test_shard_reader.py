@@ -7,6 +7,7 @@ import ctypes
 import io
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -31,13 +32,14 @@ from trainckpt.format.shard_reader import (
 def _reading_threads_seen(monkeypatch: pytest.MonkeyPatch) -> set[str]:
     """The names of the threads that load items from now on."""
     seen: set[str] = set()
-    real = ParallelReader._read_item
+    real = ParallelReader._read_run  # every item is loaded inside one of these, on its thread
 
-    def recording(self: ParallelReader, *args: object, **kwargs: object) -> None:
-        seen.add(threading.current_thread().name)
-        real(self, *args, **kwargs)  # type: ignore[arg-type]
+    def recording(self: ParallelReader, run: list[Any], *args: object) -> None:
+        if run:
+            seen.add(threading.current_thread().name)
+        real(self, run, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(ParallelReader, "_read_item", recording)
+    monkeypatch.setattr(ParallelReader, "_read_run", recording)
     return seen
 
 

@@ -8,11 +8,11 @@ by `safe_unpickle.load_dcp_metadata` (an exact allow-list) and values by `load_t
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import io
 import logging
 import warnings
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -220,11 +220,13 @@ class _SafeReader(ParallelReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
         if self._download_to is not None:
-            self.fs = self._downloaded_fs(plan, self._download_to)  # type: ignore[assignment]
+            self.fs = self._downloaded_fs(plan, planner, self._download_to)  # type: ignore[assignment]
         return super().read_data(plan, planner)
 
-    def _downloaded_fs(self, plan: LoadPlan, cache_dir: Path) -> _StorageFS:
-        names = {self.storage_data[item.storage_index].relative_path for item in plan.items}
+    def _downloaded_fs(self, plan: LoadPlan, planner: LoadPlanner, cache_dir: Path) -> _StorageFS:
+        storage = self.storage() if plan.items else {}
+        names = {storage[item.storage_index].relative_path for item in plan.items}
+        names.update(info.relative_path for info, _ in self._direct_work(planner))
         remote = sorted(self._storage.join(str(self.path), name) for name in names)
         threads = max(1, min(self._thread_count, len(remote)))
         with ThreadPoolExecutor(threads, thread_name_prefix="trainckpt-download") as pool:
@@ -237,7 +239,7 @@ class _SafeReader(ParallelReader):
         return super()._slice_file(file, sinfo)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        md = dataclasses.replace(self._metadata)
+        md = copy.copy(self._metadata)  # trainckpt's own keeps its storage keys unbuilt
         md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
         if md.planner_data is None:
@@ -267,10 +269,16 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
     `ShardedTensor`s when it holds none, and a value that needs no resharding gets its read
     item directly (`_whole_read_item`), not through DCP's general overlap search."""
 
-    def __init__(self, folder: str = "") -> None:
+    def __init__(self, folder: str = "", direct: bool = False) -> None:
+        """With `direct`, values that need no resharding are not put in the plan as read
+        items but listed in `direct_items`: only a reader that loads those (`ParallelReader`)
+        may be given such a planner."""
         super().__init__()
         self.folder = folder
         self.parsed = plain_values.Parsed()
+        self.direct = direct
+        self.direct_items: list[tuple[str, torch.Tensor | None]] = []
+        """(name, the whole plain tensor to copy into, or None for a byte value)."""
         self._slots: dict[str, tuple[dict[str, Any], str]] = {}
 
     def set_up_planner(
@@ -294,6 +302,7 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
     def create_local_plan(self) -> LoadPlan:
         assert self.metadata is not None
         saved = self.metadata.state_dict_metadata
+        self.direct_items = []
         if not saved.keys() <= self.state_dict.keys():  # DCP tells older checkpoints' keys apart
             self._slots = {}  # DCP may flatten anew, as PyTorch 2.3 did
             return super().create_local_plan()
@@ -302,11 +311,20 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
         append = items.append
         byte_io = LoadItemType.BYTE_IO
         get = saved.get
+        direct: list[tuple[str, torch.Tensor | None]] = []
+        self.direct_items = direct
+        add_direct = direct.append if self.direct else None
         for fqn, obj in self.state_dict.items():
             md = get(fqn)
             if type(md) is BytesStorageMetadata:  # most entries of an optimizer's state
+                if add_direct is not None:
+                    add_direct((fqn, None))
+                    continue
                 index = MetadataIndex(fqn)
                 append(ReadItem(byte_io, index, _NO_OFFSET, index, _NO_OFFSET, _NO_OFFSET))
+                continue
+            if add_direct is not None and _whole_tensor(md, obj):
+                add_direct((fqn, obj))
                 continue
             item = _whole_read_item(fqn, md, obj)
             if item is not None:
@@ -315,6 +333,17 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
                 one = create_default_local_load_plan({fqn: obj}, self.metadata, strict)
                 items.extend(one.items)
         return LoadPlan(items)
+
+    def direct_read_item(self, fqn: str, target: torch.Tensor | None) -> ReadItem:
+        """The read item DCP would have planned for an entry of `direct_items` (for a reader
+        that has to load it DCP's way: an unchecked or transformed item)."""
+        assert self.metadata is not None
+        item = _whole_read_item(fqn, self.metadata.state_dict_metadata[fqn], target)
+        assert item is not None  # `direct_items` holds only such entries
+        return item
+
+    def commit_direct(self, fqn: str, tensor: torch.Tensor) -> None:
+        """`commit_tensor` for an entry of `direct_items`, once its tensor is loaded."""
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         """The whole plain tensor a read item of `_whole_read_item` names, directly (what DCP's
@@ -336,8 +365,12 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 
     def load_plain(self, read_item: ReadItem, data: bytes) -> None:
         """`load_bytes` given the item's bytes (the reader calls it when the planner has it:
-        no `io.BytesIO` per item). Each distinct item is parsed once (`plain_values.Parsed`)."""
-        fqn = read_item.dest_index.fqn
+        no `io.BytesIO` per item)."""
+        self.load_plain_value(read_item.dest_index.fqn, data)
+
+    def load_plain_value(self, fqn: str, data: bytes) -> None:
+        """Put the plain value saved in `data` (its bytes checked) under the flat key `fqn`.
+        Each distinct item is parsed once (`plain_values.Parsed`), by the safe parser."""
         obj = self.parsed.known(data)
         if obj is plain_values.MISSING:
             obj = self.parsed.value(
@@ -364,10 +397,6 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 _PLAIN_LEAVES = frozenset({int, float, bool, str, bytes, complex, tuple, type(None)})
 
 
-class _NotPlain(Exception):
-    pass
-
-
 _Slots = dict[str, tuple[dict[str, Any], str]]
 """For each flat key, the dict that holds its value and the key there."""
 
@@ -382,39 +411,52 @@ def _flat_plain(
     anything else (DTensors, ShardedTensors, lists, meta tensors, non-string keys, two paths
     with one flat key): DCP then flattens it, and raises its errors. One pass, no per-entry
     calls: at tens of thousands of entries, DCP's traversal was a tenth of a load."""
+    if type(state) is not dict or _version._derived_version is not None:
+        return None
     flat: dict[str, Any] = {}
     mappings: dict[str, tuple[str | int, ...]] = {}
     slots: _Slots = {}
     tensors = _PLAIN_TENSORS
     leaves = _PLAIN_LEAVES
-
-    def visit(d: dict[str, Any], path: tuple[str, ...], prefix: str) -> None:
-        for key, value in d.items():
+    # Depth first, in each dict's order (DCP's order), with a stack rather than a recursive
+    # closure: such a closure is a reference cycle that kept every path and slot (two tuples
+    # per entry) alive until the collector ran, which then cost a fifth of a load.
+    stack: list[tuple[Iterator[tuple[Any, Any]], dict[str, Any], tuple[str, ...], str]] = [
+        (iter(state.items()), state, (), "")
+    ]
+    depth = 0
+    while stack:
+        items, d, path, prefix = stack[-1]
+        for key, value in items:
             if type(key) is not str:
-                raise _NotPlain
+                return None
             kind = type(value)
             if kind is dict:
-                visit(value, (*path, key), f"{prefix}{key}.")
-                continue
+                depth += 1
+                if depth > _MAX_DEPTH:
+                    return None
+                stack.append((iter(value.items()), value, (*path, key), f"{prefix}{key}."))
+                break
             if kind in tensors:
                 if value.is_meta:
-                    raise _NotPlain
+                    return None
             elif kind not in leaves:
-                raise _NotPlain
+                return None
             fqn = prefix + key
             if fqn in flat:
-                raise _NotPlain
+                return None
             flat[fqn] = value
             mappings[fqn] = (*path, key)
             slots[fqn] = (d, key)
-
-    if type(state) is not dict or _version._derived_version is not None:
-        return None
-    try:
-        visit(state, (), "")
-    except (_NotPlain, RecursionError):
-        return None
+        else:
+            stack.pop()
+            depth -= 1
     return flat, mappings, slots
+
+
+_MAX_DEPTH = 900
+"""Nesting beyond this goes through DCP's flattening (which recurses), as it did when this
+walk recursed too."""
 
 
 def _holds_sharded_tensor(state: Any) -> bool:
@@ -444,18 +486,24 @@ def _whole_read_item(fqn: str, saved: Any, obj: Any) -> ReadItem | None:
     if isinstance(saved, BytesStorageMetadata):
         index = MetadataIndex(fqn)
         return ReadItem(LoadItemType.BYTE_IO, index, _NO_OFFSET, index, _NO_OFFSET, _NO_OFFSET)
+    if not _whole_tensor(saved, obj):
+        return None
+    zeros = saved.chunks[0].offsets
+    index = MetadataIndex(fqn, zeros, 0)
+    return ReadItem(LoadItemType.TENSOR, index, zeros, index, zeros, obj.size())
+
+
+def _whole_tensor(saved: Any, obj: Any) -> bool:
+    """Whether `obj` is a plain tensor with no empty dimension that `saved` holds whole, in
+    one chunk of its size (loaded by one copy of that chunk, with no resharding)."""
     if (
         not isinstance(saved, TensorStorageMetadata)
-        or type(obj) not in (torch.Tensor, torch.nn.Parameter)
+        or type(obj) not in _PLAIN_TENSORS
         or len(saved.chunks) != 1
     ):
-        return None
+        return False
     size, chunk = obj.size(), saved.chunks[0]
-    if saved.size != size or chunk.sizes != size or any(chunk.offsets) or not all(size):
-        return None
-    zeros = chunk.offsets
-    index = MetadataIndex(fqn, zeros, 0)
-    return ReadItem(LoadItemType.TENSOR, index, zeros, index, zeros, size)
+    return bool(saved.size == size and chunk.sizes == size and not any(chunk.offsets) and all(size))
 
 
 def load_state(
@@ -483,7 +531,7 @@ def load_state(
             storage_reader=_SafeReader(
                 storage, folder, metadata, download_to, thread_count, check_items
             ),
-            planner=_SafeLoadPlanner(folder),
+            planner=_SafeLoadPlanner(folder, direct=True),
             process_group=group,
             no_dist=not dist.is_distributed(),
         )
@@ -493,11 +541,14 @@ class _ProgressLoadPlanner(_SafeLoadPlanner):
     """`_SafeLoadPlanner` that reports the bytes of every tensor piece it has loaded."""
 
     def __init__(self, progress: Callable[[int], None], folder: str) -> None:
-        super().__init__(folder)
+        super().__init__(folder, direct=True)
         self._progress = progress
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         super().commit_tensor(read_item, tensor)
+        self._progress(tensor.numel() * tensor.element_size())
+
+    def commit_direct(self, fqn: str, tensor: torch.Tensor) -> None:
         self._progress(tensor.numel() * tensor.element_size())
 
 
@@ -527,7 +578,9 @@ def load_full_state(
     if not state:
         return state
     planner = (
-        _SafeLoadPlanner(folder) if progress is None else _ProgressLoadPlanner(progress, folder)
+        _SafeLoadPlanner(folder, direct=True)
+        if progress is None
+        else _ProgressLoadPlanner(progress, folder)
     )
     what = f"loading DCP state from '{folder}'"
     with paused_gc(), _quiet_single_process(), plain_errors(what, CheckpointError):

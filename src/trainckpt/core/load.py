@@ -115,7 +115,11 @@ def load_checkpoint(
     )
 
     md_prefix = "" if folder == path else f"{storage.name(folder)}/"
-    with paused_gc():  # one small object per chunk: see gc_pause
+    direct = loads_directly(train_module)
+    # One pause from the metadata to the applied state (see gc_pause): the metadata, the plan
+    # and the flat state (hundreds of thousands of small objects) are freed before collection
+    # resumes, so it does not walk them (it did, twice, between the steps: a fifth of a load).
+    with paused_gc():
         metadata = read_dcp_metadata(  # refuses unsafe or misplaced metadata, direct API too
             storage,
             folder,
@@ -124,7 +128,19 @@ def load_checkpoint(
             ),
             native=native_record_current(storage, folder, facts.manifest, md_prefix),
         )
-    if loads_directly(train_module):
+        if not direct:
+            if reset_optimizer_states_on_load:
+                log.warning(
+                    "reset_optimizer_states_on_load=True has no effect on %s (only train "
+                    "modules with load_state_dict_direct reset optimizer state, as in "
+                    "OLMo-core)",
+                    type(train_module).__name__,
+                )
+            trainer_state = _load_module_state(
+                req, folder, metadata, train_module, trainer_state, load_optim_state, exclude
+            )
+        del metadata
+    if direct:
         if reset_optimizer_states_on_load is None and trainer_state is not None:
             reset_optimizer_states_on_load = getattr(
                 train_module, "reset_optimizer_states_on_resume", None
@@ -139,16 +155,6 @@ def load_checkpoint(
             thread_count=req.thread_count,
             load_optim_state=load_optim_state,
             reset_optimizer_states_on_load=reset_optimizer_states_on_load,
-        )
-    else:
-        if reset_optimizer_states_on_load:
-            log.warning(
-                "reset_optimizer_states_on_load=True has no effect on %s (only train "
-                "modules with load_state_dict_direct reset optimizer state, as in OLMo-core)",
-                type(train_module).__name__,
-            )
-        trainer_state = _load_module_state(
-            req, folder, metadata, train_module, trainer_state, load_optim_state, exclude
         )
     log.info("loaded checkpoint '%s' in %.2fs", path, time.perf_counter() - start)
     return trainer_state

@@ -23,16 +23,21 @@ refused with `CorruptCheckpointError` naming it. Memory stays proportional to th
 `records.dcp_metadata_bound` bounds): the header's containers are counted before it is
 parsed, and every count is checked against the bytes that carry it.
 
+`decode` returns a `NativeMetadata`: DCP's `Metadata`, with the storage keys (one object per
+stored piece) built only when `storage_data` is first read, and each single-piece entry's stored
+piece by name (`pieces`), which is all a load of whole entries needs (`core/dcp.py`).
+
 Called on: rank 0 at the end of a save (`encode`); any rank that plans a load (`decode`).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import uuid
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from pathlib import Path, PurePosixPath
@@ -230,6 +235,65 @@ def _encode_planner_data(data: Any) -> list[list[Any]] | None:
 # -- reading (any rank) ------------------------------------------------------------------------
 
 
+class NativeMetadata(Metadata):
+    """The `Metadata` decoded from a record, with its `storage_data` (a key object and a dict
+    entry per stored piece, 60,000 for a 16,000-entry state) built on first use, and `pieces`:
+    the stored piece of each entry that has exactly one (byte values, tensors of one chunk) by
+    name, all that a load of whole entries needs (`shard_reader`). Copies (`copy.copy`) share
+    what is built; pickling, `dataclasses.replace` and equality see a plain `Metadata`."""
+
+    def __init__(
+        self,
+        state_dict_metadata: dict[str, Any],
+        planner_data: Any = None,
+        storage_data: Any = None,
+        storage_meta: StorageMeta | None = None,
+        version: str | None = None,
+        *,
+        pieces: dict[str, _StorageInfo] | None = None,
+        build: Callable[[], dict[MetadataIndex, _StorageInfo]] | None = None,
+    ) -> None:
+        self._lazy: list[Any] = [storage_data, build]  # shared by copies
+        self.pieces = pieces
+        super().__init__(state_dict_metadata, planner_data, storage_data, storage_meta, version)
+
+    @property  # type: ignore[override]
+    def storage_data(self) -> Any:
+        lazy = self._lazy
+        if lazy[1] is not None:
+            lazy[0], lazy[1] = lazy[1](), None
+        return lazy[0]
+
+    @storage_data.setter
+    def storage_data(self, value: Any) -> None:
+        if value is not None or self._lazy[1] is None:
+            self._lazy = [value, None]
+
+    @property
+    def storage_built(self) -> bool:
+        """Whether `storage_data` exists already (reading it would cost nothing)."""
+        return self._lazy[1] is None
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Metadata):
+            return NotImplemented
+        return _fields(self) == _fields(other)
+
+    __hash__ = None  # type: ignore[assignment]  # as a dataclass with eq and not frozen
+
+    def __copy__(self) -> NativeMetadata:
+        other = NativeMetadata.__new__(NativeMetadata)
+        other.__dict__.update(self.__dict__)
+        return other
+
+    def __reduce__(self) -> Any:
+        return (Metadata, _fields(self))
+
+
+def _fields(md: Metadata) -> tuple[Any, ...]:
+    return (md.state_dict_metadata, md.planner_data, md.storage_data, md.storage_meta, md.version)
+
+
 _PATH_PART_TYPES = {str, int}
 
 
@@ -306,19 +370,33 @@ class _Decoder:
         ints = table.tolist()
         # The columns are checked at once (`_fast_*`); a record out of place is then found,
         # and named, by the record-by-record checks, which also build what the fast ones do.
-        if not _fast_tensors(h["tensors"], ints, files, entries, storage):
+        # The fast ones leave the storage keys to be built on first use (`NativeMetadata`).
+        pieces: dict[str, _StorageInfo] | None = {}
+        later: list[Callable[[], Iterable[tuple[MetadataIndex, _StorageInfo]]]] = []
+        if not _fast_tensors(h["tensors"], ints, files, entries, pieces, later):
             self.tensors(h["tensors"], ints, files, entries, storage)
-        if not _fast_byte_values(h["bytes"], files, entries, storage):
+            pieces = None
+        if not _fast_byte_values(h["bytes"], files, entries, pieces, later):
             self.byte_values(h["bytes"], files, entries, storage)
+            pieces = None
         planner_data = _fast_planner_data(h["planner_data"])
         if planner_data is None:
             planner_data = self.planner_data(h["planner_data"])
-        return Metadata(
-            state_dict_metadata=entries,
-            planner_data=planner_data,
-            storage_data=storage,
-            storage_meta=self.storage_meta(h["storage_meta"]),
-            version=self.optional_str(h["dcp_version"], "dcp_version"),
+        storage_meta = self.storage_meta(h["storage_meta"])
+        version = self.optional_str(h["dcp_version"], "dcp_version")
+        if pieces is None:  # built record by record: already whole
+            for build in later:
+                storage.update(build())
+            return NativeMetadata(entries, planner_data, storage, storage_meta, version)
+
+        def build_storage() -> dict[MetadataIndex, _StorageInfo]:
+            built: dict[MetadataIndex, _StorageInfo] = {}
+            for build in later:
+                built.update(build())
+            return built
+
+        return NativeMetadata(
+            entries, planner_data, None, storage_meta, version, pieces=pieces, build=build_storage
         )
 
     def fields(self, obj: Any, what: str, names: Sequence[str]) -> dict[str, Any]:
@@ -498,9 +576,12 @@ def _fast_tensors(
     ints: list[int],
     files: list[str],
     entries: dict[str, Any],
-    storage: dict[MetadataIndex, _StorageInfo],
+    pieces: dict[str, _StorageInfo] | None,
+    later: list[Callable[[], Iterable[tuple[MetadataIndex, _StorageInfo]]]],
 ) -> bool:
-    """`_Decoder.tensors`, column by column; False (nothing added) where in doubt."""
+    """`_Decoder.tensors`, column by column; False (nothing added) where in doubt. The stored
+    piece of each one-chunk tensor goes to `pieces`; the storage keys are built by a function
+    appended to `later`."""
     columns = _columns(records, 6)
     if columns is None:
         return False
@@ -522,7 +603,9 @@ def _fast_tensors(
     shapes: dict[tuple[int, ...], torch.Size] = {}
     props: dict[tuple[torch.dtype, bool, bool], TensorProperties] = {}
     built: dict[str, TensorStorageMetadata] = {}
-    places: dict[MetadataIndex, _StorageInfo] = {}
+    keys: list[tuple[str, torch.Size, int | None]] = []
+    infos: list[_StorageInfo] = []
+    single: dict[str, _StorageInfo] = {}
     pos = 0
     for fqn, dtype, grad, pinned, size, count, width in zip(
         fqns, dtypes, grads, pins, sizes, counts, widths, strict=True
@@ -540,9 +623,11 @@ def _fast_tensors(
             o = shapes.get(offsets) or shapes.setdefault(offsets, torch.Size(offsets))
             n = shapes.get(lengths) or shapes.setdefault(lengths, torch.Size(lengths))
             chunks.append(ChunkStorageMetadata(offsets=o, sizes=n))
-            places[MetadataIndex(fqn, o, hint - 1 if hint else None)] = _StorageInfo(
-                files[file], offset, length
-            )
+            keys.append((fqn, o, hint - 1 if hint else None))
+            info = _StorageInfo(files[file], offset, length)
+            infos.append(info)
+            if count == 1:
+                single[fqn] = info
         key = (dtype, grad, pinned)
         p = props.get(key)
         if p is None:
@@ -551,7 +636,13 @@ def _fast_tensors(
         shape = shapes.get(whole) or shapes.setdefault(whole, torch.Size(whole))
         built[fqn] = TensorStorageMetadata(p, shape, chunks)
     entries.update(built)
-    storage.update(places)
+    if pieces is not None:
+        pieces.update(single)
+
+    def storage() -> Iterable[tuple[MetadataIndex, _StorageInfo]]:
+        return zip(itertools.starmap(MetadataIndex, keys), infos, strict=True)
+
+    later.append(storage)
     return True
 
 
@@ -559,9 +650,13 @@ def _fast_byte_values(
     records: Any,
     files: list[str],
     entries: dict[str, Any],
-    storage: dict[MetadataIndex, _StorageInfo],
+    pieces: dict[str, _StorageInfo] | None,
+    later: list[Callable[[], Iterable[tuple[MetadataIndex, _StorageInfo]]]],
 ) -> bool:
-    """`_Decoder.byte_values`, column by column; False (nothing added) where in doubt."""
+    """`_Decoder.byte_values`, column by column; False (nothing added) where in doubt. Each
+    value's stored piece goes to `pieces`; the storage keys are built by a function appended
+    to `later`. Every byte value's entry is one shared `BytesStorageMetadata` (it has no
+    fields: all are equal)."""
     columns = _columns(records, 5)
     if columns is None:
         return False
@@ -572,15 +667,20 @@ def _fast_byte_values(
         return False
     if file_ids and max(file_ids) >= len(files):
         return False
-    keys = map(MetadataIndex, fqns, repeat(None), [h - 1 if h else None for h in hints])
-    names = [files[f] for f in file_ids]
-    storage.update(zip(keys, map(_StorageInfo, names, offsets, lengths), strict=True))
-    entries.update(zip(fqns, map(_new_bytes_entry, fqns), strict=True))
+    infos = list(map(_StorageInfo, [files[f] for f in file_ids], offsets, lengths))
+    if pieces is not None:
+        pieces.update(zip(fqns, infos, strict=True))
+    entries.update(zip(fqns, repeat(_BYTES_ENTRY)))
+
+    def storage() -> Iterable[tuple[MetadataIndex, _StorageInfo]]:
+        indices = [h - 1 if h else None for h in hints]
+        return zip(map(MetadataIndex, fqns, repeat(None), indices), infos, strict=True)
+
+    later.append(storage)
     return True
 
 
-def _new_bytes_entry(_: str) -> BytesStorageMetadata:
-    return BytesStorageMetadata()
+_BYTES_ENTRY = BytesStorageMetadata()
 
 
 def _fast_planner_data(obj: Any) -> dict[str, tuple[str | int, ...]] | None:

@@ -27,9 +27,11 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import IO, Any, TypeVar, cast
 
+import google_crc32c
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
@@ -47,6 +49,8 @@ BYTES_PER_THREAD = 16 * 2**20
 # larger than that is read alone), skipping gaps of up to `_MAX_GAP` bytes between them.
 _SPAN_BYTES = 4 * 2**20
 _MAX_GAP = 64 * 2**10
+# Below this many bytes, an item's CRC32C is one call on a copy of it (`shard_checksums.crc32c`)
+_SMALL_CRC = 2**20
 
 _Work = tuple[_StorageInfo, ReadItem]
 _T = TypeVar("_T")
@@ -71,11 +75,36 @@ class ParallelReader(FileSystemReader):
         self.thread_count = max(1, thread_count)
         self.save_id = save_id
 
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        """DCP's, but trainckpt's own metadata's `storage_data` is left unbuilt until an item
+        needs it: whole entries are found by name in its `pieces`."""
+        self._pieces: dict[str, _StorageInfo] | None = getattr(metadata, "pieces", None)
+        if getattr(metadata, "storage_built", True):
+            self._unbuilt: Metadata | None = None
+            super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+            return
+        self._unbuilt = metadata
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+
+    def storage(self) -> dict[MetadataIndex, _StorageInfo]:
+        """`storage_data`, built on first use (`set_up_storage_reader`)."""
+        unbuilt = getattr(self, "_unbuilt", None)
+        if unbuilt is not None:
+            self.storage_data, self._unbuilt = unbuilt.storage_data, None
+            if self.storage_data is None:
+                raise AssertionError("storage_data must not be None in metadata")
+        return self.storage_data
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        work: list[_Work] = sorted(
-            ((self.storage_data[req.storage_index], req) for req in plan.items),
-            key=lambda w: (w[0].relative_path, w[0].offset),
-        )
+        work: list[_Work] = []
+        if plan.items:
+            storage = self.storage()
+            work = [(storage[req.storage_index], req) for req in plan.items]
+        work += self._direct_work(planner)
+        work.sort(key=_place)
         records = self._records(sorted({info.relative_path for info, _ in work}))
         threads = reading_threads((info.length for info, _ in work), self.thread_count)
         runs = _split_runs(work, threads, lambda w: w[0].length)
@@ -84,6 +113,43 @@ class ParallelReader(FileSystemReader):
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+    def _direct_work(self, planner: LoadPlanner) -> list[_Work]:
+        """The planner's `direct_items` (entries loaded whole, planned without read items:
+        `core/dcp.py`), each with its stored piece, found by name (an entry there has one
+        piece). Items that are not checked item by item, or that a storage extension
+        transformed, get their read item from the planner and are loaded DCP's way."""
+        direct: list[tuple[str, torch.Tensor | None]] = getattr(planner, "direct_items", [])
+        if not direct:
+            return []
+        known = getattr(self, "_pieces", None)
+        if known is not None:  # trainckpt's metadata: one piece per byte value or chunk
+            get = known.get
+        else:
+            pieces: dict[str, Any] = {}
+            for key, info in self.storage().items():
+                name = key.fqn
+                if name in pieces:  # an entry with several pieces is never direct
+                    pieces[name] = None
+                elif key.offset is None or not any(key.offset):
+                    pieces[name] = info
+                else:
+                    pieces[name] = None
+            get = pieces.get
+        work: list[_Work] = []
+        append = work.append
+        as_read_item = planner.direct_read_item  # type: ignore[attr-defined]
+        checked = self.save_id is not None
+        for entry in direct:
+            fqn, target = entry
+            info = get(fqn)
+            if info is None:
+                raise ValueError(f"the checkpoint has no single stored piece of '{fqn}'")
+            if checked and not info.transform_descriptors:
+                append((info, entry))  # type: ignore[arg-type]
+            else:
+                append((info, as_read_item(fqn, target)))
+        return work
 
     def _run_all(self, fn: Callable[[Any], None], work: list[Any], threads: int) -> None:
         """`fn` on each piece of `work`, on up to `threads` threads; the first error raises."""
@@ -131,9 +197,18 @@ class ParallelReader(FileSystemReader):
         planner's `load_plain` as bytes where it has one (no file object per item)."""
         buffer = _ItemBuffer()
         load_plain: Callable[[ReadItem, bytes], None] | None = getattr(planner, "load_plain", None)
+        plain_value: Callable[[str, bytes], None] | None = getattr(
+            planner, "load_plain_value", None
+        )
+        commit_direct: Callable[[str, torch.Tensor], None] | None = getattr(
+            planner, "commit_direct", None
+        )
         byte_io = LoadItemType.BYTE_IO
         crc32c = shard_checksums.crc32c
+        value = google_crc32c.value
+        small = _SMALL_CRC
         with ExitStack() as stack:
+            stack.enter_context(torch.no_grad())  # direct copies into parameters
             streams: dict[str, tuple[Any, str]] = {}
             for span, end in _spans(run):
                 name = span[0][0].relative_path
@@ -153,6 +228,31 @@ class ParallelReader(FileSystemReader):
                 for info, req in span:
                     offset, length = info.offset, info.length
                     item = data[offset - start : offset - start + length]
+                    if type(req) is tuple:  # the planner's `direct_items`: checked, whole
+                        fqn, target = req
+                        raw = item.tobytes() if target is None else item
+                        if length >= small:
+                            crc = crc32c(raw)
+                        else:  # one call on a copy (as `crc32c` does for small items)
+                            crc = value(raw if target is None else item.tobytes())
+                        if listed(offset) != (length, crc):
+                            record.check_item(path, offset, item, f"item '{fqn}'")
+                            raise AssertionError("unreachable: the check above raises")
+                        if target is None:
+                            with lock:
+                                plain_value(fqn, raw)  # type: ignore[misc, arg-type]
+                            continue
+                        tensor = _load_checked(item)
+                        if target.size() != tensor.size():
+                            raise ValueError(
+                                f"item {fqn}: the checkpoint holds shape "
+                                f"{tuple(tensor.size())}, the state to load into has "
+                                f"{tuple(target.size())}"
+                            )
+                        target.copy_(tensor)
+                        with lock:
+                            commit_direct(fqn, target)  # type: ignore[misc]
+                        continue
                     plain = (
                         load_plain is not None
                         and req.type is byte_io
@@ -206,6 +306,10 @@ class ParallelReader(FileSystemReader):
         target.copy_(tensor)
         with lock:
             planner.commit_tensor(req, target)
+
+
+def _place(work: _Work) -> tuple[str, int]:
+    return work[0].relative_path, work[0].offset
 
 
 def _spans(run: list[_Work]) -> Iterator[tuple[list[_Work], int]]:
