@@ -12,6 +12,11 @@ replica's bytes (both ranks at once, as they replicate at once) and sending the 
 over the same process group (both directions at once, 16 MiB chunks, two in flight, as the
 replication does, no disk).
 
+The "cpu:" rows are rank 0's process CPU (all threads, user + system) during
+`save()` and `save_local`: a cost that other jobs on the machine inflate less than wall time.
+The "phase cpu" rows are the CPU of the thread that ran each phase (where the tier logs it,
+`local_save_cpu_seconds`).
+
 Each rank runs `os.cpu_count() // 2` torch threads (as torchrun would give it), the `save()`
 contender is not incremental (it writes the same bytes), and each local save's deletions of
 the previous step are waited for outside the timing.
@@ -36,6 +41,7 @@ import dataclasses
 import json
 import logging
 import os
+import resource
 import shutil
 import socket
 import statistics
@@ -63,11 +69,20 @@ class _PhaseLog(logging.Handler):
     def __init__(self) -> None:
         super().__init__()
         self.phases: list[dict[str, float]] = []
+        self.cpu: list[dict[str, float]] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         phases = getattr(record, "local_save_seconds", None)
         if phases is not None:
             self.phases.append(phases)
+            self.cpu.append(getattr(record, "local_save_cpu_seconds", {}))
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process so far, all its threads (user + system): a save's cost
+    that other jobs on the machine inflate less than its wall time."""
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    return used.ru_utime + used.ru_stime
 
 
 def _raw_write(path: Path, nbytes: int) -> float:
@@ -166,18 +181,22 @@ def _rank(
         for what in order[repeat % 2 :] + order[: repeat % 2]:  # alternate who goes first
             dist.barrier()
             if what == "save":
+                cpu = _cpu_seconds()
                 with Timer() as t:
                     shared.save(base / "shared" / f"step{repeat}", module, {"step": repeat})
                 add("save() to a shared save folder", t.seconds)
+                add("cpu: save() to a shared save folder", _cpu_seconds() - cpu)
                 took["save"] = t.seconds
                 dist.barrier()
                 shutil.rmtree(base / "shared" / f"step{repeat}", ignore_errors=True)
                 continue
             factor = int(what[2:])
+            cpu = _cpu_seconds()
             with Timer() as total:
                 with Timer() as blocked:
                     future = ckpts[factor].save_local(repeat, module, {"step": repeat})
                 future.result()
+            add(f"cpu: save_local until committed (rf={factor})", _cpu_seconds() - cpu)
             add(f"save_local blocked (rf={factor})", blocked.seconds)
             add(f"save_local committed (rf={factor})", total.seconds)
             # the tier's own time to its commit (without staging, the save thread, the vote)
@@ -188,6 +207,8 @@ def _rank(
             for phase, seconds in phase_log.phases[-1].items():
                 if phase not in ("committed", "replication"):
                     add(f"phase (rf={factor}): {phase}", seconds)
+            for phase, seconds in phase_log.cpu[-1].items():  # the thread's CPU in each phase
+                add(f"phase cpu (rf={factor}): {phase}", seconds)
             took[what] = total.seconds
             phases[what] = phase_log.phases[-1]
             ckpts[factor].local.latest()  # waits for its deletions: none overlaps the next row
@@ -249,7 +270,7 @@ def bench_local(size_mb: float, repeats: int, root: Path, mode: str = "auto") ->
     for name, seconds in rows.items():
         xs = report["rows"][name]
         spread = f"({min(xs):.3f}-{max(xs):.3f})"
-        if name.startswith("phase"):
+        if name.startswith(("phase", "cpu")):
             print(f"  local {name:<52} {seconds:7.3f} s  {spread}")
         else:
             print(f"  local {name:<52} {seconds:7.3f} s  {spread}  ({mb / seconds:6.0f} MB/s)")
@@ -270,8 +291,9 @@ def bench_local(size_mb: float, repeats: int, root: Path, mode: str = "auto") ->
             f"want <= {want}) -> {verdict}"
         )
         report["target_ratios"][key] = ratio
-    report["medians"] = {k: v for k, v in rows.items() if not k.startswith("phase")}
+    report["medians"] = {k: v for k, v in rows.items() if not k.startswith(("phase", "cpu"))}
     report["phase_medians"] = {k: v for k, v in rows.items() if k.startswith("phase")}
+    report["cpu_medians"] = {k: v for k, v in rows.items() if k.startswith("cpu")}
     return report
 
 

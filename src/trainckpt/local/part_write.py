@@ -65,6 +65,7 @@ def write_own_part(
     trainer_bytes: bytes,
     world: int,
     clock: PhaseClock,
+    flusher: ThreadPoolExecutor,
 ) -> LocalPart:
     """Write this rank's own part of `step` under `root` (module state as local shards, cut
     into `piece_count` pieces of its tensor bytes; trainer state; then `part.json` with the
@@ -72,34 +73,43 @@ def write_own_part(
     booked into `clock`. Each piece is flushed and fsynced on a thread of its own as soon as
     it is full, while the next one is written (one file fsynced at the end waited for all of
     its bytes at once); `part.json` is written only once every piece is durable, so a crash
-    before leaves a part without a record, which never counts. Called on: each rank, for its
-    own part."""
+    before leaves a part without a record, which never counts. `flusher` runs the fsyncs
+    (at least `max_pieces() + 2` threads: every piece, the trainer state and the new folders'
+    parents at once). Called on: each rank, for its own part."""
     folder = part_dir(root, step, attempt, rank)
     with writing(folder):
         folder.mkdir(parents=True)
+    # the new folders' entries made durable while the part is written (they must be before
+    # its record is); the part's own folder is fsynced with its record
+    parents = flusher.submit(_fsync_up_to, folder.parent, root)
     view = local_view(state)
     expected = _tensor_bytes(view)
     count = piece_count(expected)
-    with ThreadPoolExecutor(count + 1, thread_name_prefix="trainckpt-local-flush") as flusher:
-        module = _Pieces(folder, MODULE_FILE, count, expected, clock, flusher)
-        trainer = _Pieces(folder, TRAIN_FILE, 1, len(trainer_bytes), clock, flusher)
-        try:
-            start = time.perf_counter()
-            _torch_save_without_zip_crc(view, module)
-            module.seal()
-            clock.add("serialize", time.perf_counter() - start - module.booked)
-            fault_point("local-writing")  # module pieces handed to their flushes
-            trainer.write(trainer_bytes)
-            trainer.seal()
-            with clock("fsync"):  # what the flushes still take once all is written
-                files = {**module.entries(), **trainer.entries()}
-        finally:
-            module.abandon()
-            trainer.abandon()
+    module = _Pieces(folder, MODULE_FILE, count, expected, clock, flusher)
+    trainer = _Pieces(folder, TRAIN_FILE, 1, len(trainer_bytes), clock, flusher)
+    try:
+        start, cpu = time.perf_counter(), time.thread_time()
+        _torch_save_without_zip_crc(view, module)
+        module.seal()
+        clock.add(
+            "serialize",
+            time.perf_counter() - start - module.booked,
+            time.thread_time() - cpu - module.booked_cpu,
+        )
+        fault_point("local-writing")  # module pieces handed to their flushes
+        trainer.write(trainer_bytes)
+        trainer.seal()
+        with clock("fsync"):  # what the flushes still take once all is written
+            files = {**module.entries(), **trainer.entries()}
+    finally:
+        module.abandon()
+        trainer.abandon()
+        parents.exception()  # waited for on every path: nothing runs on after a failure
     part = LocalPart(step=step, attempt=attempt, owner=rank, world_size=world, files=files)
     with clock("fsync"):
-        write_local_record(folder / PART_FILE, part)
-        _fsync_up_to(folder, root)
+        with writing(folder.parent):
+            parents.result()
+        write_local_record(folder / PART_FILE, part)  # fsyncs `folder` too
     return part
 
 
@@ -138,9 +148,10 @@ class _Pieces:
         self._target = -(-max(1, -(-expected // count)) // PIECE_ALIGN) * PIECE_ALIGN
         self._clock, self._flusher = clock, flusher
         self._size = 0
-        self._open: tuple[str, Any, _TimedWriter] | None = None
+        self._open: tuple[str, Path, Any, _TimedWriter] | None = None
         self._flushing: list[tuple[str, _TimedWriter, Future[None]]] = []
         self.booked = 0.0
+        self.booked_cpu = 0.0
 
     def _file_name(self, index: int) -> str:
         return self._name if self._count == 1 else piece_name(self._name, index)
@@ -151,8 +162,8 @@ class _Pieces:
             path = self._folder / name
             with writing(path):
                 f = open(path, "xb", buffering=_WRITE_BUFFER)  # noqa: SIM115  # closed by _durable or abandon
-            self._open = (name, f, _TimedWriter(_TimedFile(f, self._clock), self._clock))
-        return self._open[2]
+            self._open = (name, path, f, _TimedWriter(_TimedFile(f, self._clock), self._clock))
+        return self._open[3]
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
@@ -163,10 +174,12 @@ class _Pieces:
             take = len(view) - done
             if not last:
                 take = min(take, self._target - w.tell())
-            start = time.perf_counter()
-            with writing(self._folder / self._file_name(len(self._flushing))):
+            start, cpu = time.perf_counter(), time.thread_time()
+            assert self._open is not None
+            with writing(self._open[1]):
                 w.write(view[done : done + take])
             self.booked += time.perf_counter() - start
+            self.booked_cpu += time.thread_time() - cpu
             done += take
             self._size += take
             if not last and w.tell() >= self._target:
@@ -194,13 +207,14 @@ class _Pieces:
     def _hand_over(self) -> None:
         """Flush the open piece's buffer here, its fsync and close on the flusher."""
         assert self._open is not None
-        name, f, w = self._open
-        start = time.perf_counter()
-        with writing(self._folder / name):
+        name, path, f, w = self._open
+        start, cpu = time.perf_counter(), time.thread_time()
+        with writing(path):
             w.flush()  # if this fails, the piece stays open and `abandon` closes it
         self.booked += time.perf_counter() - start
+        self.booked_cpu += time.thread_time() - cpu
         self._open = None
-        self._flushing.append((name, w, self._flusher.submit(_durable, self._folder / name, f)))
+        self._flushing.append((name, w, self._flusher.submit(_durable, path, f)))
 
     def entries(self) -> dict[str, FileEntry]:
         """Size and CRC32C of every piece, once all are durable (waits for the flushes)."""
@@ -213,7 +227,7 @@ class _Pieces:
     def abandon(self) -> None:
         """Close what is still open (after a failure; the part then never counts)."""
         if self._open is not None:
-            self._open[1].close()
+            self._open[2].close()
             self._open = None
         for _name, _w, done in self._flushing:
             done.exception()  # wait: no file is closed under its flush
@@ -238,24 +252,30 @@ class _TimedWriter(ChecksummedWriter):
         self._timed_file = f
 
     def write(self, data: Any) -> int:
-        start, written = time.perf_counter(), self._timed_file.seconds
+        f = self._timed_file
+        start, cpu, written, written_cpu = time.perf_counter(), time.thread_time(), f.seconds, f.cpu
         n = super().write(data)
-        self._clock.add("crc", time.perf_counter() - start - (self._timed_file.seconds - written))
+        self._clock.add(
+            "crc",
+            time.perf_counter() - start - (f.seconds - written),
+            time.thread_time() - cpu - (f.cpu - written_cpu),
+        )
         return n
 
 
 class _TimedFile:
-    """A file whose writes are timed (`seconds`, and the clock's `write`)."""
+    """A file whose writes are timed (`seconds`, `cpu`, and the clock's `write`)."""
 
     def __init__(self, f: Any, clock: PhaseClock) -> None:
-        self._f, self._clock, self.seconds = f, clock, 0.0
+        self._f, self._clock, self.seconds, self.cpu = f, clock, 0.0, 0.0
 
     def write(self, data: Any) -> int:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         n: int = self._f.write(data)
-        spent = time.perf_counter() - start
+        spent, used = time.perf_counter() - start, time.thread_time() - cpu
         self.seconds += spent
-        self._clock.add("write", spent)
+        self.cpu += used
+        self._clock.add("write", spent, used)
         return n
 
     def flush(self) -> None:

@@ -17,8 +17,11 @@ Save (all ranks, the checkpointer's CPU group):
    CRC32C against the owner's `part.json`. The ranks agree that every part and replica is
    durable and intact (phase 1).
 3. Only then each rank writes its commit marker naming step, attempt and the parts it holds
-   (phase 2), and the ranks agree again: the save is committed.
-4. The ranks count the steps they can restore (the coverage vote); the save is then done.
+   (phase 2) and lists its disk, and the ranks agree again, sharing those lists in the same
+   round: the save is committed.
+4. From those lists the ranks count the steps they can restore (the coverage vote); the save
+   is then done. A save takes three collective rounds at replication factor 1 (the attempt
+   id, phase 1 with the parts' records, phase 2 with the lists), four with replicas.
    One rank per disk deletes the steps beyond the `keep` newest restorable ones, markers
    first, on a thread of its own (`retention.py`); the tier's next call and `close()` wait for
    it. A step that lost a part never displaces a restorable one.
@@ -42,16 +45,18 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from trainckpt.core import dist
 from trainckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    RankFailedError,
 )
 from trainckpt.local.layout import (
     Holding,
@@ -66,7 +71,7 @@ from trainckpt.local.layout import (
 )
 from trainckpt.local.part_check import PrivateCopy, copy_own, load_part
 from trainckpt.local.part_read import PartReader
-from trainckpt.local.part_write import PartWriter, write_own_part
+from trainckpt.local.part_write import PartWriter, max_pieces, write_own_part
 from trainckpt.local.receive import Placement, receive_missing
 from trainckpt.local.replica_file import decide, read_mode
 from trainckpt.local.retention import clean_leftovers, start_retention
@@ -75,6 +80,8 @@ from trainckpt.storage.local import writing
 from trainckpt.testing.faults import fault_point
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -98,18 +105,23 @@ class LocalTier:
     _deleting: bool = field(default=False, init=False)
     """A save committed since the last `open`: some disk's first rank may still be deleting
     (the same on every rank)."""
+    _flusher: ThreadPoolExecutor | None = field(default=None, init=False)
+    """The threads that fsync the own part's files and new folders, kept from save to save
+    (starting threads anew cost each save a few ms on a busy machine)."""
 
     # -- start-up -------------------------------------------------------------------------------
-    def open(self) -> None:
+    def open(self, *, synced: bool = False) -> None:
         """Learn which ranks share a disk and clean crashed leftovers (once per job).
 
         Called on: all ranks (every save and restore calls it first; after a save, every rank
         waits here until each disk's deletions are done, so no rank reads or writes a disk
-        while they run)."""
+        while they run). `synced`: the caller's next collective is an all-gather, which no
+        rank leaves before every rank entered it: it stands in for the barrier here."""
         self.wait_for_retention()
         if self._deleting:
             self._deleting = False
-            dist.barrier(self.group)
+            if not synced:
+                dist.barrier(self.group)
         if self._disks:
             return
         error: Exception | None = None
@@ -162,22 +174,21 @@ class LocalTier:
         (`PHASES`). Called on: all ranks (background thread)."""
         start = time.perf_counter()
         clock = PhaseClock()
-        self.open()
+        self.open(synced=True)
         rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
-        with clock("agree"):
-            attempt = dist.broadcast_object(new_attempt_id(), self.group)
+        with clock("agree"):  # rank 0's id; an all-gather: also the barrier `open` left out
+            attempt = dist.all_gather_object(new_attempt_id() if rank == 0 else "", self.group)[0]
         what = f"local checkpoint step {step} (attempt {attempt}) under '{self.root}'"
         part: LocalPart | None = None
         error: Exception | None = None
         try:
             part = write_own_part(
-                self.root, rank, step, attempt, state, trainer_bytes, world, clock
+                self.root, rank, step, attempt, state, trainer_bytes, world, clock, self._flush()
             )
         except Exception as e:
             error = e
-        with clock("agree"):
-            dist.agree(error, f"writing {what}", self.group)
-            parts: list[LocalPart] = dist.all_gather_object(part, self.group)  # type: ignore[arg-type]
+        with clock("agree"):  # phase 1 of the own parts, and their records, in one round
+            parts: list[LocalPart] = _agree_gather(part, error, f"writing {what}", self.group)  # type: ignore[arg-type]
 
         transfers = [
             Transfer(src=owner, dst=h, owner=owner, size=parts[owner].size)
@@ -186,32 +197,41 @@ class LocalTier:
         ]
         self._warn_thin_replication(transfers, world)
         replication = time.perf_counter()
-        failures = exchange(
-            transfers,
-            self.group,
-            open_source=lambda t: PartReader(part_dir(self.root, step, attempt, t.owner), part),
-            open_sink=lambda t: PartWriter(
-                self.root, part_dir(self.root, step, attempt, t.owner), parts[t.owner], self._direct
-            ),
-            clock=clock,
-        )
-        with clock("agree"):
-            dist.agree(_first_failure(failures, transfers, what), f"replicating {what}", self.group)
+        if transfers:  # the same list on every rank: with none, no rank has more to agree on
+            failures = exchange(
+                transfers,
+                self.group,
+                open_source=lambda t: PartReader(part_dir(self.root, step, attempt, t.owner), part),
+                open_sink=lambda t: PartWriter(
+                    self.root,
+                    part_dir(self.root, step, attempt, t.owner),
+                    parts[t.owner],
+                    self._direct,
+                ),
+                clock=clock,
+            )
+            with clock("agree"):
+                failure = _first_failure(failures, transfers, what)
+                dist.agree(failure, f"replicating {what}", self.group)
         replication = time.perf_counter() - replication
 
         fault_point("local-between-phases")
         held = sorted({rank, *(t.owner for t in transfers if t.dst == rank)})
         error = None
+        holdings: list[Holding] = []
         with clock("marker"):
             try:
                 marker = LocalCommit(
                     step=step, attempt=attempt, world_size=world, holder=rank, parts=held
                 )
                 write_local_record(commit_file(self.root, step, attempt, rank), marker)
+                holdings, _ = scan(self.root)  # for the coverage vote, in the commit's round
             except Exception as e:
                 error = e
-        with clock("agree"):
-            dist.agree(error, f"committing {what}", self.group)
+        with clock("agree"):  # phase 2 and the coverage vote's inventory in one round
+            inventory = _agree_gather(
+                holdings, error, f"committing {what} (or listing its disk)", self.group
+            )
         committed = time.perf_counter() - start
         phases = {name: clock.seconds.get(name, 0.0) for name in PHASES}
         log.info(
@@ -228,10 +248,11 @@ class LocalTier:
                     "committed": committed,
                     "replication": replication,
                     **phases,
-                }
+                },
+                "local_save_cpu_seconds": {name: clock.cpu.get(name, 0.0) for name in PHASES},
             },
         )
-        restorable = {s for s, _a in self.covered()}
+        restorable = {s for s, _a in self._coverage(inventory)}
         if self._is_disk_leader():
             self._retention = start_retention(self.root, step, restorable, self.keep)
         self._deleting = True
@@ -248,6 +269,19 @@ class LocalTier:
         """Wait for the last save's deletions: a process may exit right after. Called on: each
         rank, by `Checkpointer.close()`."""
         self.wait_for_retention()
+        if self._flusher is not None:
+            self._flusher.shutdown(wait=True)
+            self._flusher = None
+
+    def _flush(self) -> ThreadPoolExecutor:
+        """The threads that fsync the own part's files and folders (one per piece, the trainer
+        state's, the new folders'), started by the first save and kept until `close`. They
+        wait on the disk, and take next to no CPU."""
+        if self._flusher is None:
+            self._flusher = ThreadPoolExecutor(
+                max_pieces() + 2, thread_name_prefix="trainckpt-local-flush"
+            )
+        return self._flusher
 
     def _warn_thin_replication(self, transfers: list[Transfer], world: int) -> None:
         """Warn once (rank 0) when some part has no replica on another disk."""
@@ -283,10 +317,15 @@ class LocalTier:
         """The (step, attempt) pairs the live ranks can assemble, newest first: every owner
         rank's part of that attempt is held by some rank. The same list on every rank.
         Called on: all ranks."""
+        return self._coverage(self._inventory())
+
+    def _coverage(self, inventory: list[list[Holding]]) -> list[tuple[int, str]]:
+        """`covered` from every rank's holdings (`_inventory`, or a save's commit round).
+        Called on: all ranks, with the same inventory."""
         world = dist.get_world_size(self.group)
         owners: dict[tuple[int, str], set[int]] = {}
         sizes: dict[tuple[int, str], set[int]] = {}
-        for held in self._inventory():
+        for held in inventory:
             for h in held:
                 owners.setdefault((h.step, h.attempt), set()).add(h.owner)
                 sizes.setdefault((h.step, h.attempt), set()).add(h.world_size)
@@ -405,6 +444,20 @@ def _first_failure(
     )
     error.__cause__ = e
     return error
+
+
+def _agree_gather(value: T, error: BaseException | None, what: str, group: Any) -> list[T]:
+    """`dist.agree` and `dist.all_gather_object` in one round: every rank's `value`, in rank
+    order, or, when any rank failed `what`, its own error on that rank and `RankFailedError`
+    naming the first failed rank on the others. Called on: all ranks."""
+    msg = None if error is None else f"{type(error).__name__}: {error}"
+    outcomes = dist.all_gather_object((msg, value), group)
+    if error is not None:
+        raise error
+    for rank, (m, _v) in enumerate(outcomes):
+        if m is not None:
+            raise RankFailedError(f"{what} failed on rank {rank}: {m}")
+    return [v for _m, v in outcomes]
 
 
 def _agree_corrupt(error: BaseException | None, what: str, group: Any) -> None:

@@ -55,21 +55,26 @@ class PhaseClock:
     save's log line and `scripts/bench_local.py` report."""
 
     seconds: dict[str, float] = field(default_factory=dict)
+    cpu: dict[str, float] = field(default_factory=dict)
+    """CPU seconds of the thread that ran each phase (`time.thread_time`): what a phase costs,
+    which other jobs on the machine inflate less than its wall time."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, name: str, seconds: float) -> None:
-        """Book `seconds` to `name` (from any thread: replicas are written on their own)."""
+    def add(self, name: str, seconds: float, cpu: float = 0.0) -> None:
+        """Book `seconds` (and `cpu` seconds of CPU) to `name` (from any thread: replicas are
+        written on their own)."""
         with self._lock:
             self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+            self.cpu[name] = self.cpu.get(name, 0.0) + cpu
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
-        """Time the block as phase `name`."""
-        start = time.perf_counter()
+        """Time the block as phase `name` (wall and this thread's CPU)."""
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             yield
         finally:
-            self.add(name, time.perf_counter() - start)
+            self.add(name, time.perf_counter() - start, time.thread_time() - cpu)
 
 
 @dataclass(frozen=True)
