@@ -135,6 +135,8 @@ class Checkpointer(Saving, CheckpointFinders):
         self._lock = threading.Lock()
         self._history = History()
         """This rank's record of its last committed save, for incremental saves."""
+        if self.config.incremental:  # async saves skip copying unchanged large tensors
+            self._stager.digests = self._history.digests
         self._loaded = None
         """(storage, folder, step) of the last checkpoint loaded, until the next save."""
         exit_guard.track(self)  # its own group is destroyed at exit if close() is not called

@@ -4,6 +4,7 @@ verifies, deleting one never affects another, and the hash (not a hint) decides.
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 from pathlib import Path
@@ -208,3 +209,54 @@ def test_async_saves_hash_the_staged_copy(tmp_path):
         reader.load(tmp_path / f"step{step}", dst)
         reader.close()
         assert_same_state(expected, dst)
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_async_staging_skips_only_copies_whose_buffer_holds_the_same_bytes(tmp_path, writer):
+    """An async save does not copy a large tensor whose staging buffer holds its bytes already
+    (the last save hashed the buffer; the source has that hash), and copies every one that
+    differs, also when it changed through `.data` (no version counter bump): each checkpoint
+    holds the state as it was when `save_async` returned, whatever the trainer did after."""
+    ckpt = CheckpointerConfig(work_dir=tmp_path / "work", async_writer=writer).build()
+    module = lora_module()
+    base = module.model[0].weight
+    original = base.detach().clone()
+    expected = {}
+    try:
+        train(module, 1)
+        ckpt.save_async(tmp_path / "step1", module, {"step": 1}).result()
+        expected[1] = copy.deepcopy(module)  # shares no tensor (copy_of shares `step`)
+
+        train(module, 2)  # the base is unchanged: its copy is skipped
+        future = ckpt.save_async(tmp_path / "step2", module, {"step": 2})
+        assert ckpt._stager.digests is not None and ckpt._stager.digests.vouched
+        expected[2] = copy.deepcopy(module)
+        base.data.mul_(-1.0)  # while step2 may still be writing: not in step2
+        future.result()
+
+        train(module, 3)  # the base differs (changed through .data): copied
+        version = base._version
+        base.data[3, 5] += 1.0
+        assert base._version == version
+        ckpt.save_async(tmp_path / "step3", module, {"step": 3}).result()
+        expected[3] = copy.deepcopy(module)
+
+        base.data.copy_(original)  # back to the bytes of step1 and step2's buffer
+        ckpt.save_async(tmp_path / "step4", module, {"step": 4}).result()
+        expected[4] = copy.deepcopy(module)
+
+        ckpt.save(tmp_path / "step5", module, {"step": 5})  # sync: the live tensors
+        ckpt.save_async(tmp_path / "step6", module, {"step": 6}).result()
+        expected[6] = copy.deepcopy(module)
+    finally:
+        ckpt.close()
+    assert linked(tmp_path / "step1", tmp_path / "step2")
+    assert linked(tmp_path / "step5", tmp_path / "step6")
+    reader = CheckpointerConfig(work_dir=tmp_path / "work2").build()
+    try:
+        for step, state in expected.items():
+            dst = lora_module(seed=5)
+            reader.load(tmp_path / f"step{step}", dst)
+            assert_same_state(state, dst)
+    finally:
+        reader.close()

@@ -25,16 +25,23 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Hashable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainckpt.errors import CheckpointError, CheckpointNotFoundError
 from trainckpt.format import shard_checksums
-from trainckpt.format.content_hash import bytes_digest, tensor_digest, tensor_kind
+from trainckpt.format.content_hash import (
+    StorageDigests,
+    StorageKey,
+    bytes_digest,
+    storage_key,
+    tensor_digest,
+    tensor_kind,
+)
 from trainckpt.storage import Storage
 from trainckpt.storage.checksums import FileEntry
 from trainckpt.testing.faults import fault_point
@@ -72,11 +79,15 @@ class SavedFile:
     entry: FileEntry
     items: tuple[SavedItem, ...]
 
-    def unchanged_in(self, digests: dict[Hashable, bytes | None]) -> bool:
-        """True when every item of this file is in `digests` with the same hash."""
+    def unchanged_in(self, current: Mapping[Hashable, tuple[bytes | None, object]]) -> bool:
+        """True when every item of this file is in `current` (key -> hash, item) with the same
+        hash."""
         return bool(self.items) and all(
-            i.digest is not None and digests.get(i.key) == i.digest for i in self.items
+            i.digest is not None and current.get(i.key, _NONE)[0] == i.digest for i in self.items
         )
+
+
+_NONE: tuple[None, None] = (None, None)
 
 
 @dataclass(frozen=True)
@@ -95,6 +106,8 @@ class History:
         self._last: _Committed | None = None
         self._pending: list[SavedFile] = []
         self._lock = threading.Lock()
+        self.digests = StorageDigests()
+        """Shared with the `Stager` of async saves (`content_hash.StorageDigests`)."""
 
     def previous(self, storage: Storage) -> _Committed | None:
         """The last committed save, if it went to the same kind of storage."""
@@ -135,11 +148,17 @@ class Session:
     through `reuse`, and records what it wrote in `history` (`record`). `prefix`: the DCP
     folder relative to the checkpoint folder ("" or "model_and_optim/")."""
 
-    def __init__(self, history: History, reuse: Reuse, prefix: str) -> None:
+    def __init__(
+        self, history: History, reuse: Reuse, prefix: str, state: dict[str, Any] | None = None
+    ) -> None:
+        """`state`: the state dict this save writes (live, or the staged copy of an async
+        save; it does not change while the save runs): its large tensors start being hashed
+        now, on other threads, while DCP plans (`Prehash`)."""
         self.history = history
         self.reuse = reuse
         self.prefix = prefix
-        self._keys: dict[object, tuple[Hashable, bytes | None]] = {}  # DCP index -> key, hash
+        self._keys: dict[int, tuple[Hashable, bytes | None]] = {}  # id(WriteItem) -> key, hash
+        self._prehash = Prehash(state, history.digests) if state else None
         history.begin()
 
     def lay_out(
@@ -150,25 +169,30 @@ class Session:
     ) -> Layout:
         """Hash every item, take over the previous files whose items are all unchanged, and
         group the rest: unchanged (or likely frozen) items, then the others. Called on: each
-        rank, in DCP's `write_data`."""
+        rank, in DCP's `write_data`.
+
+        Keys are plain tuples (fqn, offset, kind), hashed in C: DCP's `MetadataIndex` hashes
+        in Python, and the lookups of a 3,000-item state were a large part of an incremental
+        save's extra time."""
         from torch.distributed.checkpoint.filesystem import _StorageInfo
 
         from trainckpt.format.shard_writer import Layout, ReusedResult
 
-        for item, keyed in zip(items, _keyed_all(items, resolve, threads), strict=True):
-            self._keys[item.index] = keyed
-        digests = dict(self._keys.values())
+        storages: dict[int, StorageKey] = {}  # item number -> storage of a prehashed item
+        keyed = _keyed_all(items, resolve, threads, self._prehash, storages)
+        self._prehash = None
+        self._keys = {id(item): k for item, k in zip(items, keyed, strict=True)}
+        current = {k[0]: (k[1], item) for item, k in zip(items, keyed, strict=True)}
         previous = self.history.previous(self.reuse.storage)
         known: dict[Hashable, bytes | None] = {}
         candidates: list[SavedFile] = []
         if previous is not None:
             for f in previous.files:
                 known.update((i.key, i.digest) for i in f.items)
-                if f.rel == self.prefix + f.name and f.unchanged_in(digests):
+                if f.rel == self.prefix + f.name and f.unchanged_in(current):
                     candidates.append(f)
         layout = Layout(groups=[])
         placed = self._take_over(previous, candidates, threads) if previous else []
-        by_key = {self._keys[item.index][0]: item for item in items}
         taken: set[Hashable] = set()
         for f in placed:
             layout.reused_files[f.name] = f.entry
@@ -176,20 +200,31 @@ class Session:
                 taken.add(i.key)
                 info = _StorageInfo(f.name, i.offset, i.length)
                 layout.reused_results.append(
-                    ReusedResult(by_key[i.key].index, i.length, info, source_save_id=f.save_id)
+                    ReusedResult(current[i.key][1].index, i.length, info, source_save_id=f.save_id)
                 )
-        frozen = _likely_frozen([i.index.fqn for i in items])
+        frozen: set[str] | None = None  # needed only for items the previous save did not hold
         stable: list[WriteItem] = []
         changing: list[WriteItem] = []
-        for item in items:
-            key, digest = self._keys[item.index]
+        unchanged: dict[StorageKey, bytes] = {}
+        for n, (item, (key, digest)) in enumerate(zip(items, keyed, strict=True)):
             if key in taken:
+                if n in storages and digest is not None:
+                    unchanged[storages[n]] = digest
                 continue
-            if key in known:
-                same = digest is not None and known[key] == digest
+            if digest is None:
+                same = False
+            elif key in known:
+                same = known[key] == digest
             else:
-                same = digest is not None and item.index.fqn in frozen
+                if frozen is None:
+                    frozen = _likely_frozen([i.index.fqn for i in items])
+                same = item.index.fqn in frozen
             (stable if same else changing).append(item)
+            if same and n in storages and digest is not None:
+                unchanged[storages[n]] = digest
+        # for the next async staging: the storages worth hashing there to skip their copy (a
+        # trained state has none, and so pays no hash at staging)
+        self.history.digests.hashed = unchanged
         layout.groups = [g for g in (stable, changing) if g]
         self.history.add(placed)
         return layout
@@ -202,7 +237,7 @@ class Session:
         files = []
         for shard, done in zip(shards, written, strict=True):
             items = tuple(
-                SavedItem(*self._keys[item.index], offset, length)
+                SavedItem(*self._keys[id(item)], offset, length)
                 for item, (offset, length) in zip(shard.items, done.spans, strict=True)
             )
             files.append(
@@ -278,26 +313,105 @@ less time than handing it to a thread takes (a fine-tune's adapters and optimize
 thousands of such items)."""
 
 
+class Prehash:
+    """Hashes the large plain CPU tensors of a state dict on background threads from the
+    start of a save, so that the frozen base's hashing overlaps the rest of the save instead
+    of preceding its writes. Results are found by storage (`StorageKey`): an item that
+    resolves to the same storage holds the same bytes, since the state does not change while
+    it is saved and the storages are held here until then. A staged buffer whose copy the
+    stager skipped (`StorageDigests.vouched`: it holds the bytes hashed by the last save) is
+    not hashed again. The hashes of the storages found unchanged (or likely frozen) are then
+    published (`StorageDigests.hashed`, by `Session.lay_out`) for the next staging. Hashes
+    bytes, trusts no version counter (docs/incremental.md). Called on: the saving thread."""
+
+    def __init__(self, state: dict[str, Any], shared: StorageDigests) -> None:
+        tensors: dict[StorageKey, torch.Tensor] = {}
+        for t in _plain_tensors(state):
+            key = storage_key(t)
+            if key[1] >= LARGE_ITEM and tensor_kind(t) is not None:
+                tensors.setdefault(key, t)
+        vouched = shared.vouched
+        self._shared = shared
+        self._known = {k: vouched[k] for k in tensors if k in vouched}
+        self._tensors = tensors
+        self._futures: list[Future[dict[StorageKey, bytes]]] = []
+        keys = sorted((k for k in tensors if k not in self._known), key=lambda k: k[0])
+        if not keys:
+            return
+        threads = min(PREHASH_THREADS, len(keys))
+        pool = ThreadPoolExecutor(threads, thread_name_prefix="trainckpt-prehash")
+        for n in range(threads):  # in address order: memory read in sequence
+            self._futures.append(pool.submit(self._hash, keys[n::threads]))
+        pool.shutdown(wait=False)
+
+    def _hash(self, keys: list[StorageKey]) -> dict[StorageKey, bytes]:
+        return {k: tensor_digest(self._tensors[k]) for k in keys}
+
+    def digests(self) -> dict[StorageKey, bytes]:
+        """Every hash, once all are computed."""
+        done = dict(self._known)
+        for future in self._futures:
+            done.update(future.result())
+        return done
+
+
+PREHASH_THREADS = 2
+"""Threads hashing a state's large tensors from the start of a save (xxh3 releases the
+interpreter lock: two cores hash at twice the speed of one)."""
+
+
+def _plain_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """The plain tensors of a (nested) state dict."""
+    if type(obj) is torch.Tensor:  # what `tensor_kind` accepts
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _plain_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _plain_tensors(v)
+
+
 def _keyed_all(
-    items: list[WriteItem], resolve: Callable[[WriteItem], ItemData], threads: int
+    items: list[WriteItem],
+    resolve: Callable[[WriteItem], ItemData],
+    threads: int,
+    prehash: Prehash | None = None,
+    storages: dict[int, StorageKey] | None = None,
 ) -> list[tuple[Hashable, bytes | None]]:
-    """`_keyed` of every item, in order: large tensors on `threads` threads (xxh3 releases the
-    interpreter lock), the rest on the calling thread meanwhile."""
+    """`_keyed` of every item, in order: small ones on the calling thread, then large tensors
+    with their hash from `prehash` (waiting for it; `storages` gets their storage), those it
+    did not hash on `threads` threads (xxh3 releases the interpreter lock)."""
     keyed: list[tuple[Hashable, bytes | None] | None] = [None] * len(items)
-    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="trainckpt-hash") as pool:
-        large = {
-            k: pool.submit(_keyed, item, resolve)
-            for k, item in enumerate(items)
-            if _nbytes(item) >= LARGE_ITEM
-        }
-        for k, item in enumerate(items):
-            if k not in large:
-                keyed[k] = _keyed(item, resolve)
-        for k, future in large.items():
-            keyed[k] = future.result()
-    done = [k for k in keyed if k is not None]
-    assert len(done) == len(items)
-    return done
+    large: list[int] = []
+    for k, item in enumerate(items):
+        if _nbytes(item) >= LARGE_ITEM:
+            large.append(k)
+        else:
+            keyed[k] = _keyed(item, resolve)
+    known = prehash.digests() if prehash is not None else {}
+    rest: list[int] = []
+    for k in large:
+        data = resolve(items[k])
+        kind = tensor_kind(data) if isinstance(data, torch.Tensor) else None
+        if kind is not None:
+            assert isinstance(data, torch.Tensor)
+            where = storage_key(data)
+            digest = known.get(where)
+            if digest is not None:
+                keyed[k] = (_key(items[k], kind), digest)
+                if storages is not None:
+                    storages[k] = where
+                continue
+        rest.append(k)
+    if rest:
+        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="trainckpt-hash") as pool:
+            done = pool.map(lambda k: _keyed(items[k], resolve), rest)
+            for k, one in zip(rest, done, strict=True):
+                keyed[k] = one
+    out = [k for k in keyed if k is not None]
+    assert len(out) == len(items)
+    return out
 
 
 def _nbytes(item: WriteItem) -> int:
@@ -308,6 +422,13 @@ def _nbytes(item: WriteItem) -> int:
     return data.size.numel() * data.properties.dtype.itemsize
 
 
+def _key(item: WriteItem, kind: Hashable) -> Hashable:
+    """An item's key: DCP's index (fqn and offset: what `MetadataIndex` compares) plus
+    its kind, as a tuple hashed in C."""
+    index = item.index
+    return (index.fqn, index.offset, kind)
+
+
 def _keyed(
     item: WriteItem, resolve: Callable[[WriteItem], ItemData]
 ) -> tuple[Hashable, bytes | None]:
@@ -315,11 +436,11 @@ def _keyed(
     the xxh3-128 of its bytes; a tensor `tensor_kind` refuses has no hash (never unchanged)."""
     data = resolve(item)
     if not isinstance(data, torch.Tensor):
-        return (item.index, "bytes"), bytes_digest(data)
+        return _key(item, "bytes"), bytes_digest(data)
     kind = tensor_kind(data)
     if kind is None:
-        return (item.index, None), None
-    return (item.index, kind), tensor_digest(data)
+        return _key(item, None), None
+    return _key(item, kind), tensor_digest(data)
 
 
 def _likely_frozen(fqns: list[str]) -> set[str]:

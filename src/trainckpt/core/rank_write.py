@@ -87,6 +87,14 @@ class TrainingFiles:
         from trainckpt.core.dcp import save_state  # imported on first use: DCP takes ~1 s
         from trainckpt.core.incremental import Session
 
+        # 0. An incremental save starts hashing the state's large tensors now (`incremental.py`).
+        prefix = f"{self.dcp_dir}/" if self.dcp_dir else ""
+        session = (
+            None
+            if self.history is None or to.reuse is None or self.direct_module is not None
+            else Session(self.history, to.reuse, prefix, self.model_state)
+        )
+
         # 1. The trainer state. Every rank learns whether every rank wrote its own: a rank
         #    that failed would otherwise leave the others waiting in DCP's collectives.
         rel = layout.trainer_state_file(dist.get_rank(self.group))
@@ -105,7 +113,6 @@ class TrainingFiles:
         #    upload thread, so that every upload thread has a file to send.
         shards = max(self.thread_count, to.upload_threads)
         model_dir = to.folder / self.dcp_dir if self.dcp_dir else to.folder
-        prefix = f"{self.dcp_dir}/" if self.dcp_dir else ""
         if self.direct_module is not None:
             entries.update(
                 save_direct(
@@ -118,11 +125,6 @@ class TrainingFiles:
                 )
             )
         else:
-            session = (
-                None
-                if self.history is None or to.reuse is None
-                else Session(self.history, to.reuse, prefix)
-            )
             entries.update(
                 save_state(
                     self.model_state,

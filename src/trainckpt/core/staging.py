@@ -23,6 +23,7 @@ import copy
 import logging
 import sys
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,13 @@ import torch
 from trainckpt.core.cuda_calls import CudaCalls
 from trainckpt.core.shared_memory import Arena, Pinning, allocate
 from trainckpt.errors import ConfigurationError
+from trainckpt.format.content_hash import (
+    StorageDigests,
+    StorageKey,
+    storage_key,
+    tensor_digest,
+    tensor_kind,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +69,10 @@ class Stager:
         self._layout: tuple[bool, bool, list[tuple[str, torch.Size, torch.dtype]]] | None = None
         self._streams: dict[int, Any] = {}
         self._pin_refused = False  # CUDA refused to page-lock: never asked again
+        self.digests: StorageDigests | None = None
+        """Set for incremental saves: a large CPU tensor whose buffer still holds its bytes
+        (as hashed by the last save) is not copied again (`_skip_unchanged`)."""
+        self._changed: set[str] = set()  # keys found changed once: copied without hashing
 
     def mark(self, state: Any) -> StreamMark | None:
         """Record where the calling (training) thread's CUDA streams are on every device that
@@ -90,13 +102,15 @@ class Stager:
         leaves = _leaves(state, "", refuse_partial=True)
         mark = after if after is not None else self.mark(state)
         with nullcontext() if mark is None else self.cuda.on_device(mark.device):
-            self._allocate(leaves, shared, mark)
-            self._copy(leaves, mark)
+            fresh = self._allocate(leaves, shared, mark)
+            self._copy(leaves, mark, fresh)
         return self._rebuild(state, "")
 
     def release(self) -> None:
         """Free the buffers (the next `stage` allocates anew)."""
         self._buffers, self._arenas, self._layout = {}, [], None
+        if self.digests is not None:
+            self.digests.clear()
         if self._on_release is not None:
             self._on_release()
 
@@ -106,15 +120,16 @@ class Stager:
         aligned to 64 bytes)."""
         return sum(arena.size for arena in self._arenas)
 
-    def _allocate(self, leaves: dict[str, torch.Tensor], shared: bool, mark: Any) -> None:
+    def _allocate(self, leaves: dict[str, torch.Tensor], shared: bool, mark: Any) -> bool:
         """A buffer for every tensor of `leaves`, in new arenas unless the current ones hold
-        buffers of exactly these keys, shapes and dtypes (and were pinned if asked to)."""
+        buffers of exactly these keys, shapes and dtypes (and were pinned if asked to). True
+        when the buffers are new."""
         pin = mark is not None and not self._pin_refused
         layout = [(k, t.shape, t.dtype) for k, t in leaves.items()]
         if self._layout is not None:
             was_shared, was_pinned, old = self._layout
             if old == layout and was_shared == shared and (was_pinned or not pin):
-                return
+                return False
         self.release()  # the old buffers go before the new ones come
         places = allocate(
             [t.numel() * t.element_size() for t in leaves.values()],
@@ -136,21 +151,32 @@ class Stager:
                 self.nbytes / 1e6,
             )
         log.info("allocated %.1f MB of staging memory", self.nbytes / 1e6)
+        return True
 
-    def _copy(self, leaves: dict[str, torch.Tensor], mark: StreamMark | None) -> None:
-        """Fill the buffers: CPU tensors at once; device tensors on each device's side stream
-        after the mark, then wait for every side stream. The sources stay referenced (by
-        `leaves`) until then, so the caching allocator cannot hand their memory to the trainer
-        while a copy reads it."""
+    def _copy(self, leaves: dict[str, torch.Tensor], mark: StreamMark | None, fresh: bool) -> None:
+        """Fill the buffers: CPU tensors at once (but those whose buffer holds their bytes
+        already, `_skip_unchanged`, unless the buffers are `fresh`); device tensors on each
+        device's side stream after the mark, then wait for every side stream. The sources
+        stay referenced (by `leaves`) until then, so the caching allocator cannot hand their
+        memory to the trainer while a copy reads it."""
         on_device: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         on_cpu: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        cpu_keys: list[str] = []
         for key, t in leaves.items():
             device = None if mark is None else self.cuda.device_of(t)
             if device is None:
+                cpu_keys.append(key)
                 on_cpu[0].append(self._buffers[key])
                 on_cpu[1].append(t)
             else:
                 on_device.setdefault(device, []).append((self._buffers[key], t))
+        if self.digests is not None:
+            hashed = {} if fresh else self.digests.hashed
+            self.digests.hashed, self.digests.vouched = {}, {}  # before any buffer is written
+            if hashed:
+                on_cpu, vouched = self._skip_unchanged(cpu_keys, on_cpu, hashed)
+                # what holds now: the buffers not written (every other one is, below)
+                self.digests.hashed, self.digests.vouched = dict(vouched), vouched
         if on_cpu[0]:
             torch._foreach_copy_(*on_cpu)  # one call: thousands of small copies cost no more
         streams = []
@@ -167,9 +193,71 @@ class Stager:
         for stream in streams:
             self.cuda.synchronize(stream)
 
+    def _skip_unchanged(
+        self,
+        keys: list[str],
+        pairs: tuple[list[torch.Tensor], list[torch.Tensor]],
+        hashed: dict[StorageKey, bytes],
+    ) -> tuple[tuple[list[torch.Tensor], list[torch.Tensor]], dict[StorageKey, bytes]]:
+        """Of the CPU (buffer, source) `pairs`, drop those whose buffer holds the source's
+        bytes already: the last save hashed the buffer (`hashed`, by storage), and the
+        source, hashed now (xxh3-128 of every byte: no version counter is trusted,
+        docs/incremental.md), has that hash. Their hashes are returned (to become
+        `digests.vouched`), for the save to take instead of hashing the buffer again. A frozen
+        base then costs a hash (on two threads: xxh3 releases the interpreter lock) instead of
+        a copy and a hash. A source found changed once is copied without hashing from then on
+        (a trained state pays no hash here). Returns the pairs left to copy, and the hashes of
+        the buffers kept."""
+        todo: list[tuple[str, torch.Tensor, torch.Tensor, bytes]] = []
+        rest: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        for key, buf, src in zip(keys, *pairs, strict=True):
+            large = buf.nbytes >= SKIP_FROM and key not in self._changed
+            known = hashed.get(storage_key(buf)) if large else None
+            if known is not None and _holds_alike(buf, src):
+                todo.append((key, buf, src, known))
+            else:
+                rest[0].append(buf)
+                rest[1].append(src)
+        if not todo:
+            return rest, {}
+        with ThreadPoolExecutor(min(2, len(todo)), thread_name_prefix="trainckpt-stage") as pool:
+            digests = list(pool.map(lambda job: tensor_digest(job[2]), todo))
+        vouched: dict[StorageKey, bytes] = {}
+        for (key, buf, src, known), digest in zip(todo, digests, strict=True):
+            if digest == known:
+                vouched[storage_key(buf)] = digest
+            else:
+                self._changed.add(key)
+                rest[0].append(buf)
+                rest[1].append(src)
+        log.debug("staging: %d of %d large tensors unchanged, not copied", len(vouched), len(todo))
+        return rest, vouched
+
     def _rebuild(self, obj: Any, path: str) -> Any:
         """`obj` with each tensor replaced by its buffer (keys as `_leaves` made them)."""
         return _rebuilt(obj, path, self._buffers, dtensor_type())
+
+
+SKIP_FROM = 1 << 20
+"""Bytes from which a CPU tensor is hashed at staging, to skip its copy if unchanged (a
+smaller one is copied with the others in one call)."""
+
+
+def _holds_alike(buf: torch.Tensor, src: torch.Tensor) -> bool:
+    """True when `src` is a large plain CPU tensor whose storage holds exactly its bytes in
+    order, as its buffer `buf`'s does: equal storage hashes then mean equal tensors."""
+    if tensor_kind(src) is None or src.dtype != buf.dtype or src.shape != buf.shape:
+        return False
+    n = src.numel() * src.element_size()
+    return (
+        n >= SKIP_FROM
+        and src.is_contiguous()
+        and src.storage_offset() == 0
+        and src.untyped_storage().nbytes() == n
+        and buf.untyped_storage().nbytes() == n
+        and buf.is_contiguous()
+        and buf.storage_offset() == 0
+    )
 
 
 _IMMUTABLE = frozenset({type(None), bool, int, float, complex, str, bytes})

@@ -10,6 +10,7 @@ the interpreter lock on large buffers, so hashing costs a fraction of writing th
 
 from __future__ import annotations
 
+import ctypes
 import io
 
 import torch
@@ -47,7 +48,9 @@ def tensor_digest(tensor: torch.Tensor) -> bytes:
     """xxh3-128 of the bytes of `tensor`'s whole storage (no copy). Call only for a tensor
     `tensor_kind` accepts. Called on: any thread (the interpreter lock is released while
     hashing a large buffer)."""
-    return xxhash.xxh3_128_digest(storage_bytes(tensor))
+    storage = tensor.untyped_storage()  # held until hashed: `view` does not keep it alive
+    view = (ctypes.c_char * storage.nbytes()).from_address(storage.data_ptr())
+    return xxhash.xxh3_128_digest(view)  # the bytes of `storage_bytes`, at a third of its cost
 
 
 def storage_bytes(tensor: torch.Tensor) -> memoryview:
@@ -60,3 +63,35 @@ def storage_bytes(tensor: torch.Tensor) -> memoryview:
 def bytes_digest(data: io.BytesIO | bytes) -> bytes:
     """xxh3-128 of a byte item (a non-tensor value, as DCP serialized it)."""
     return xxhash.xxh3_128_digest(data.getbuffer() if isinstance(data, io.BytesIO) else data)
+
+
+StorageKey = tuple[int, int]
+"""A storage's (address, size in bytes): while it is alive, no other storage has both."""
+
+
+def storage_key(tensor: torch.Tensor) -> StorageKey:
+    """The `StorageKey` of `tensor`'s storage."""
+    storage = tensor.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+class StorageDigests:
+    """What an incremental save and the stager of async saves tell each other about the
+    hashes of storages (one per `Checkpointer`, docs/incremental.md):
+
+    - `hashed`: every large storage the last save hashed (`incremental.Prehash`), by
+      `StorageKey`: the bytes it held then. The stager compares it with a source's hash to
+      tell whether its buffer still holds that source's bytes, and skips that copy.
+    - `vouched`: the stager's buffers whose copy the last staging skipped: their bytes are
+      those hashed before (nothing but the stager writes into its buffers), so the save takes
+      those hashes instead of hashing them again.
+
+    Each is replaced as a whole (one assignment), by one save or staging at a time."""
+
+    def __init__(self) -> None:
+        self.hashed: dict[StorageKey, bytes] = {}
+        self.vouched: dict[StorageKey, bytes] = {}
+
+    def clear(self) -> None:
+        """The stager's buffers are dropped: no hash of them holds any more."""
+        self.hashed, self.vouched = {}, {}
