@@ -492,6 +492,11 @@ def main(argv: list[str] | None = None) -> int:
         help="--scale: state sizes in entries (comma-separated)",
     )
     p.add_argument(
+        "--scale-contenders",
+        default="trainckpt,dcp,olmo,torch_checkpointing",
+        help="--scale: the entries part's contenders (comma-separated subset of the default)",
+    )
+    p.add_argument(
         "--scale-ranks",
         default="256,1024,4096,8192",
         help="--scale: simulated rank counts (comma-separated)",
@@ -531,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.scale_tensors,
                 root,
                 args.scale_training_entries,
+                args.scale_contenders.split(","),
             )
             report["notes"] += report["scale"]["entries"]["notes"]
             report["notes"] += report["scale"].get("training", {}).get("notes", [])
