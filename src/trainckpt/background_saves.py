@@ -11,6 +11,7 @@ from typing import cast
 
 from trainckpt.core import exit_guard
 from trainckpt.core.futures import CallbacksFirstFuture
+from trainckpt.core.switch_interval import short_switch_interval
 from trainckpt.errors import CheckpointError
 
 
@@ -42,7 +43,8 @@ class BackgroundSaves:
 
         def run_and_resolve() -> None:
             try:
-                path = run()
+                with short_switch_interval():  # the training thread waits less for the lock
+                    path = run()
             except Exception as e:
                 committed.fail(e if isinstance(e, CheckpointError) else _failed(target, e))
             except BaseException as e:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -65,14 +65,17 @@ class Stager:
         self.cuda = cuda if cuda is not None else CudaCalls()
         self._on_release = on_release
         self._buffers: dict[str, torch.Tensor] = {}
+        """The buffers by key path (as `_leaves` names them), for a reader of the stager."""
+        self._by_position: list[torch.Tensor] = []
+        """The same buffers in the order `_gather` finds the tensors: what `stage` uses."""
         self._arenas: list[Arena] = []  # hold every buffer
-        self._layout: tuple[bool, bool, list[tuple[str, torch.Size, torch.dtype]]] | None = None
+        self._layout: tuple[bool, bool, list[tuple[torch.Size, torch.dtype]]] | None = None
         self._streams: dict[int, Any] = {}
         self._pin_refused = False  # CUDA refused to page-lock: never asked again
         self.digests: StorageDigests | None = None
         """Set for incremental saves: a large CPU tensor whose buffer still holds its bytes
         (as hashed by the last save) is not copied again (`_skip_unchanged`)."""
-        self._changed: set[str] = set()  # keys found changed once: copied without hashing
+        self._changed: set[int] = set()  # positions found changed once: copied without hashing
 
     def mark(self, state: Any) -> StreamMark | None:
         """Record where the calling (training) thread's CUDA streams are on every device that
@@ -98,17 +101,28 @@ class Stager:
         returns. `after` is the trainer's stream position the copies must follow (`mark(state)`);
         staging on the training thread may leave it out (the current position).
         `shared`: the buffers are in shared memory (for a writer process).
-        Called on: the training thread, or the checkpointer's background thread with `after`."""
-        leaves = _leaves(state, "", refuse_partial=True)
+        Called on: the training thread, or the checkpointer's background thread with `after`.
+
+        The state is walked twice (collect, rebuild), by position, without a key path per
+        entry: with thousands of entries a background save's walk holds the interpreter lock
+        that the training thread waits for (docs/scale.md)."""
+        DTensor = dtensor_type()
+        tensors: list[torch.Tensor] = []
+        try:
+            _gather(state, DTensor, tensors)
+        except _PartialFound:
+            _leaves(state, "", refuse_partial=True)  # raises, naming the entry
+            raise
         mark = after if after is not None else self.mark(state)
         with nullcontext() if mark is None else self.cuda.on_device(mark.device):
-            fresh = self._allocate(leaves, shared, mark)
-            self._copy(leaves, mark, fresh)
-        return self._rebuild(state, "")
+            fresh = self._allocate(state, tensors, shared, mark)
+            self._copy(tensors, mark, fresh)
+        return _placed(state, iter(self._by_position), DTensor)
 
     def release(self) -> None:
         """Free the buffers (the next `stage` allocates anew)."""
-        self._buffers, self._arenas, self._layout = {}, [], None
+        self._buffers, self._by_position, self._arenas, self._layout = {}, [], [], None
+        self._changed = set()
         if self.digests is not None:
             self.digests.clear()
         if self._on_release is not None:
@@ -120,26 +134,29 @@ class Stager:
         aligned to 64 bytes)."""
         return sum(arena.size for arena in self._arenas)
 
-    def _allocate(self, leaves: dict[str, torch.Tensor], shared: bool, mark: Any) -> bool:
-        """A buffer for every tensor of `leaves`, in new arenas unless the current ones hold
-        buffers of exactly these keys, shapes and dtypes (and were pinned if asked to). True
-        when the buffers are new."""
+    def _allocate(self, state: Any, tensors: list[torch.Tensor], shared: bool, mark: Any) -> bool:
+        """A buffer for every tensor of `tensors` (`state`'s, in `_gather`'s order), in new
+        arenas unless the current ones hold buffers of exactly these shapes and dtypes in this
+        order (and were pinned if asked to). Buffers go by position: the keys do not matter,
+        as `_placed` puts each buffer where its tensor was. True when the buffers are new."""
         pin = mark is not None and not self._pin_refused
-        layout = [(k, t.shape, t.dtype) for k, t in leaves.items()]
+        layout = [(t.shape, t.dtype) for t in tensors]
         if self._layout is not None:
             was_shared, was_pinned, old = self._layout
             if old == layout and was_shared == shared and (was_pinned or not pin):
                 return False
         self.release()  # the old buffers go before the new ones come
         places = allocate(
-            [t.numel() * t.element_size() for t in leaves.values()],
+            [t.numel() * t.element_size() for t in tensors],
             shared=shared,
             pin=Pinning(self.cuda, mark.device) if pin else None,
         )
-        self._buffers = {
-            k: arena.tensor(offset, t.shape, t.dtype)
-            for (k, t), (arena, offset) in zip(leaves.items(), places, strict=True)
-        }
+        self._by_position = [
+            arena.tensor(offset, t.shape, t.dtype)
+            for t, (arena, offset) in zip(tensors, places, strict=True)
+        ]
+        keys = _leaves(state, "")  # once per new layout: the same walk, with key paths
+        self._buffers = dict(zip(keys, self._by_position, strict=True))
         self._arenas = list({id(arena): arena for arena, _ in places}.values())
         self._layout = (shared, pin, layout)
         if any(arena.pin_refused for arena in self._arenas):
@@ -153,32 +170,36 @@ class Stager:
         log.info("allocated %.1f MB of staging memory", self.nbytes / 1e6)
         return True
 
-    def _copy(self, leaves: dict[str, torch.Tensor], mark: StreamMark | None, fresh: bool) -> None:
+    def _copy(self, tensors: list[torch.Tensor], mark: StreamMark | None, fresh: bool) -> None:
         """Fill the buffers: CPU tensors at once (but those whose buffer holds their bytes
         already, `_skip_unchanged`, unless the buffers are `fresh`); device tensors on each
         device's side stream after the mark, then wait for every side stream. The sources
-        stay referenced (by `leaves`) until then, so the caching allocator cannot hand their
-        memory to the trainer while a copy reads it."""
+        stay referenced (by `tensors`) until then, so the caching allocator cannot hand their
+        memory to the trainer while a copy reads it. No autograd: the copies are made without
+        recording them."""
         on_device: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        on_cpu: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-        cpu_keys: list[str] = []
-        for key, t in leaves.items():
-            device = None if mark is None else self.cuda.device_of(t)
-            if device is None:
-                cpu_keys.append(key)
-                on_cpu[0].append(self._buffers[key])
-                on_cpu[1].append(t)
-            else:
-                on_device.setdefault(device, []).append((self._buffers[key], t))
+        on_cpu: tuple[list[torch.Tensor], list[torch.Tensor]] = (self._by_position, tensors)
+        cpu_at: list[int] | range = range(len(tensors))
+        if mark is not None:
+            on_cpu, cpu_at = ([], []), []
+            for i, (buf, t) in enumerate(zip(self._by_position, tensors, strict=True)):
+                device = self.cuda.device_of(t)
+                if device is None:
+                    cpu_at.append(i)
+                    on_cpu[0].append(buf)
+                    on_cpu[1].append(t)
+                else:
+                    on_device.setdefault(device, []).append((buf, t.detach()))
         if self.digests is not None:
             hashed = {} if fresh else self.digests.hashed
             self.digests.hashed, self.digests.vouched = {}, {}  # before any buffer is written
             if hashed:
-                on_cpu, vouched = self._skip_unchanged(cpu_keys, on_cpu, hashed)
+                on_cpu, vouched = self._skip_unchanged(cpu_at, on_cpu, hashed)
                 # what holds now: the buffers not written (every other one is, below)
                 self.digests.hashed, self.digests.vouched = dict(vouched), vouched
         if on_cpu[0]:
-            torch._foreach_copy_(*on_cpu)  # one call: thousands of small copies cost no more
+            with torch.no_grad():  # one call: thousands of small copies cost no more
+                torch._foreach_copy_(*on_cpu)
         streams = []
         for device, pairs in on_device.items():
             assert mark is not None
@@ -195,26 +216,26 @@ class Stager:
 
     def _skip_unchanged(
         self,
-        keys: list[str],
+        positions: list[int] | range,
         pairs: tuple[list[torch.Tensor], list[torch.Tensor]],
         hashed: dict[StorageKey, bytes],
     ) -> tuple[tuple[list[torch.Tensor], list[torch.Tensor]], dict[StorageKey, bytes]]:
-        """Of the CPU (buffer, source) `pairs`, drop those whose buffer holds the source's
-        bytes already: the last save hashed the buffer (`hashed`, by storage), and the
-        source, hashed now (xxh3-128 of every byte: no version counter is trusted,
-        docs/incremental.md), has that hash. Their hashes are returned (to become
+        """Of the CPU (buffer, source) `pairs` (at `positions` of the state), drop those whose
+        buffer holds the source's bytes already: the last save hashed the buffer (`hashed`, by
+        storage), and the source, hashed now (xxh3-128 of every byte: no version counter is
+        trusted, docs/incremental.md), has that hash. Their hashes are returned (to become
         `digests.vouched`), for the save to take instead of hashing the buffer again. A frozen
         base then costs a hash (on two threads: xxh3 releases the interpreter lock) instead of
         a copy and a hash. A source found changed once is copied without hashing from then on
         (a trained state pays no hash here). Returns the pairs left to copy, and the hashes of
         the buffers kept."""
-        todo: list[tuple[str, torch.Tensor, torch.Tensor, bytes]] = []
+        todo: list[tuple[int, torch.Tensor, torch.Tensor, bytes]] = []
         rest: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-        for key, buf, src in zip(keys, *pairs, strict=True):
-            large = buf.nbytes >= SKIP_FROM and key not in self._changed
+        for i, buf, src in zip(positions, *pairs, strict=True):
+            large = buf.nbytes >= SKIP_FROM and i not in self._changed
             known = hashed.get(storage_key(buf)) if large else None
             if known is not None and _holds_alike(buf, src):
-                todo.append((key, buf, src, known))
+                todo.append((i, buf, src, known))
             else:
                 rest[0].append(buf)
                 rest[1].append(src)
@@ -223,19 +244,15 @@ class Stager:
         with ThreadPoolExecutor(min(2, len(todo)), thread_name_prefix="trainckpt-stage") as pool:
             digests = list(pool.map(lambda job: tensor_digest(job[2]), todo))
         vouched: dict[StorageKey, bytes] = {}
-        for (key, buf, src, known), digest in zip(todo, digests, strict=True):
+        for (i, buf, src, known), digest in zip(todo, digests, strict=True):
             if digest == known:
                 vouched[storage_key(buf)] = digest
             else:
-                self._changed.add(key)
+                self._changed.add(i)
                 rest[0].append(buf)
                 rest[1].append(src)
         log.debug("staging: %d of %d large tensors unchanged, not copied", len(vouched), len(todo))
         return rest, vouched
-
-    def _rebuild(self, obj: Any, path: str) -> Any:
-        """`obj` with each tensor replaced by its buffer (keys as `_leaves` made them)."""
-        return _rebuilt(obj, path, self._buffers, dtensor_type())
 
 
 SKIP_FROM = 1 << 20
@@ -246,6 +263,8 @@ smaller one is copied with the others in one call)."""
 def _holds_alike(buf: torch.Tensor, src: torch.Tensor) -> bool:
     """True when `src` is a large plain CPU tensor whose storage holds exactly its bytes in
     order, as its buffer `buf`'s does: equal storage hashes then mean equal tensors."""
+    if type(src) is torch.nn.Parameter:
+        src = src.detach()  # a frozen parameter kept as one (keep_vars): its plain view
     if tensor_kind(src) is None or src.dtype != buf.dtype or src.shape != buf.shape:
         return False
     n = src.numel() * src.element_size()
@@ -264,22 +283,68 @@ _IMMUTABLE = frozenset({type(None), bool, int, float, complex, str, bytes})
 """Leaf types a staged copy may share with the state (what `copy.deepcopy` returns as is)."""
 
 
-def _rebuilt(obj: Any, path: str, buffers: dict[str, torch.Tensor], DTensor: Any) -> Any:
+class _PartialFound(Exception):
+    """`_gather` met a DTensor with a `Partial` placement (`stage` names it)."""
+
+
+def _gather(obj: Any, DTensor: Any, out: list[torch.Tensor]) -> None:
+    """Append the tensors of `obj` to `out` (DTensors as their local shards) in the order
+    `_collect` finds them, without key paths or detached copies. A DTensor with a `Partial`
+    placement raises `_PartialFound`."""
     kind = type(obj)
+    if kind is dict:
+        for v in obj.values():
+            k = type(v)
+            if k is torch.Tensor:
+                out.append(v)
+            elif k not in _IMMUTABLE:
+                _gather(v, DTensor, out)
+    elif kind is torch.Tensor:
+        out.append(obj)
+    elif kind in _IMMUTABLE:
+        return
+    elif DTensor is not None and isinstance(obj, DTensor):
+        if any(p.is_partial() for p in obj.placements):
+            raise _PartialFound
+        out.append(obj.to_local())
+    elif isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _gather(v, DTensor, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _gather(v, DTensor, out)
+
+
+def _placed(obj: Any, buffers: Iterator[torch.Tensor], DTensor: Any) -> Any:
+    """`obj` with each tensor replaced by the next of `buffers` (in `_gather`'s order)."""
+    kind = type(obj)
+    if kind is dict:
+        out = {}
+        for key, v in obj.items():
+            k = type(v)
+            if k is torch.Tensor:
+                out[key] = next(buffers)
+            elif k in _IMMUTABLE:
+                out[key] = v
+            else:
+                out[key] = _placed(v, buffers, DTensor)
+        return out
     if kind in _IMMUTABLE:
         return obj
     if kind is torch.Tensor:
-        return buffers[path]
+        return next(buffers)
     if DTensor is not None and isinstance(obj, DTensor):
         # As DCP's stager does: the local tensor stays the CPU buffer, mesh and placements
         # stay as they are (from_local would copy it to the mesh's device).
-        return DTensor(buffers[path], obj._spec, requires_grad=False)
+        return DTensor(next(buffers), obj._spec, requires_grad=False)
     if isinstance(obj, torch.Tensor):
-        return buffers[path]
+        return next(buffers)
     if isinstance(obj, dict):
-        return {k: _rebuilt(v, f"{path}.{k}", buffers, DTensor) for k, v in obj.items()}
+        return {k: _placed(v, buffers, DTensor) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        items = [_rebuilt(v, f"{path}.{i}", buffers, DTensor) for i, v in enumerate(obj)]
+        items = [_placed(v, buffers, DTensor) for v in obj]
         if isinstance(obj, list):
             return items
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)

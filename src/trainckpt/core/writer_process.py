@@ -23,6 +23,7 @@ The process is started with `python -m trainckpt.core.writer_process`, not by
 from __future__ import annotations
 
 import errno
+import gc
 import io
 import logging
 import mmap
@@ -57,16 +58,15 @@ def default_threads() -> int:
     return max(1, min(4, (os.cpu_count() or 1) - torch.get_num_threads()))
 
 
-@dataclass(frozen=True)
-class TensorRef:
-    """A tensor in an arena: its storage's bytes (`span`; None for an empty tensor) and the view
-    of them that was staged."""
+View = tuple[str, tuple[int, ...], tuple[int, ...], int]
+"""A staged tensor's view of its storage: dtype (as `str(dtype)`), shape, strides and storage
+offset. Equal views are one object within a save's job (`_Refs`), so the job's pickle holds
+each once."""
 
-    span: Span | None
-    dtype: str
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    storage_offset: int
+TensorRef = tuple[str | None, int, int, View]
+"""A tensor in an arena: the arena's id, offset and size of its storage's bytes (None, 0, 0
+for an empty tensor) and its view of them. A plain tuple: a job holds thousands, and tuples
+pickle in C, where a dataclass pickles through Python per item."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,7 @@ class Job:
     fsync: bool
     threads: int
     shards: list[tuple[str, list[TensorRef | bytes]]]
+    """Per shard file: its name and its items in order (a byte item as its bytes)."""
     arenas: dict[str, int]
     """Id -> size of every arena the job reads; the process unmaps any other."""
     new_arenas: list[str]
@@ -99,6 +100,7 @@ class WriterProcess:
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
         self._mapped: set[str] = set()  # arenas the process holds
+        self._refs = _Refs()
 
     def write_shards(
         self,
@@ -111,7 +113,7 @@ class WriterProcess:
         if not shards:
             return []
         arenas: dict[str, Arena] = {}  # also keeps scratch arenas alive until the end
-        job_shards, scratch = _export(folder, shards, arenas)
+        job_shards, scratch = _export(folder, shards, arenas, self._refs)
         conn, pid = self._connection()
         new = [a for a in arenas if a not in self._mapped]
         job = Job(
@@ -173,6 +175,7 @@ class WriterProcess:
         """Have the process unmap every arena it holds, now: the stager is dropping them (a
         shape change), so their memory is freed before new arenas are allocated, not when the
         next job arrives. Called on: the thread that stages, while no save is writing."""
+        self._refs = _Refs()  # holds the stager's old tensors: let them go
         if not self._mapped or self._conn is None:
             return
         try:
@@ -205,6 +208,7 @@ class WriterProcess:
         proc, conn = self._proc, self._conn
         self._proc = self._conn = None
         self._mapped = set()
+        self._refs = _Refs()
         if conn is not None:
             conn.close()
         if proc is None:
@@ -227,39 +231,79 @@ def _exit_text(code: int | None) -> str:
     return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
 
 
+class _Refs:
+    """The references of the tensors of the last save, by tensor object: a background save
+    hands the writer the stager's buffers, the same tensor objects save after save, so their
+    references are looked up, not made again. An entry holds its tensor (whose id is the key,
+    so the id cannot be reused while it is here) and its arena (alive while referenced); only
+    the entries a save used are kept for the next one. A staged buffer is never re-viewed in
+    place (no `set_`, `resize_`, `as_strided_`): the same object has the same storage and view.
+    Called on: the save thread."""
+
+    def __init__(self) -> None:
+        self.last: dict[int, tuple[torch.Tensor, Arena, TensorRef]] = {}
+        self.views: dict[View, View] = {}  # one object per distinct view (of the last save)
+
+
 def _export(
-    folder: Path, shards: list[Shard], arenas: dict[str, Arena]
+    folder: Path, shards: list[Shard], arenas: dict[str, Arena], known: _Refs | None = None
 ) -> tuple[list[tuple[str, list]], list[str]]:
     """The job's view of `shards`: each tensor as a reference into the arena that holds it
     (filled into `arenas`), and the ids of the scratch arenas made for this save: a tensor
     outside every shared arena (a view `_resolve` cloned) is first copied into one. A tensor
     larger than the file-size limit fails the save as the threads' write of its file would (no
     shared arena can hold it). One pass over the items, on the save's thread: with thousands
-    of entries, each lookup done twice was training's time too (the interpreter lock)."""
-    locator = Locator()
+    of entries, each lookup done twice was training's time too (the interpreter lock). With
+    `known` (the references of the last save, updated to this save's), a tensor of the last
+    save costs one lookup."""
+    refs_of = _Refs() if known is None else known
+    last, seen = refs_of.last, {}
+    views: dict[View, View] = {}
+    locator: Locator | None = None
     job: list[tuple[str, list]] = []
     outside: dict[int, tuple[str, torch.Tensor, list[tuple[list, int]]]] = {}
     for shard in shards:
         refs: list[TensorRef | bytes | None] = []
+        append = refs.append
         for item in shard.items:
             data = shard.resolve(item)
             if not isinstance(data, torch.Tensor):
-                refs.append(data.getvalue() if isinstance(data, io.BytesIO) else bytes(data))
+                append(data.getvalue() if isinstance(data, io.BytesIO) else bytes(data))
                 continue
-            found = locator.find(data) if data.numel() else None
-            if found is None and data.numel():
-                outside.setdefault(id(data), (shard.name, data, []))[2].append((refs, len(refs)))
-                refs.append(None)  # filled in once copied into a scratch arena
+            key = id(data)
+            hit = last.get(key)
+            if hit is not None and hit[0] is data:
+                seen[key] = hit
+                arenas[hit[1].id] = hit[1]
+                view = hit[2][3]
+                views.setdefault(view, view)
+                append(hit[2])
                 continue
-            refs.append(_reference(data, found, arenas))
+            if not data.numel():
+                append(_reference(data, None, views))
+                continue
+            if locator is None:
+                locator = Locator()
+            found = locator.find(data)
+            if found is None:
+                outside.setdefault(key, (shard.name, data, []))[2].append((refs, len(refs)))
+                append(None)  # filled in once copied into a scratch arena
+                continue
+            arena = found[0]
+            arenas[arena.id] = arena
+            ref = _reference(data, found[1], views)
+            seen[key] = (data, arena, ref)
+            append(ref)
         job.append((shard.name, refs))
-    return job, _copy_outside(folder, outside, arenas)
+    refs_of.last, refs_of.views = seen, views
+    return job, _copy_outside(folder, outside, arenas, views)
 
 
 def _copy_outside(
     folder: Path,
     outside: dict[int, tuple[str, torch.Tensor, list[tuple[list, int]]]],
     arenas: dict[str, Arena],
+    views: dict[View, View],
 ) -> list[str]:
     """Copy the tensors `_export` found outside every arena into new scratch arenas and put
     their references in the places left for them; return the scratch arenas' ids."""
@@ -274,24 +318,28 @@ def _copy_outside(
     locator = Locator()
     for (_, t, where), (arena, offset) in zip(outside.values(), places, strict=True):
         copy = arena.copy_of(offset, t)
-        ref = _reference(copy, locator.find(copy), arenas)
+        found = locator.find(copy)
+        assert found is not None  # just copied into a shared arena
+        arenas[arena.id] = arena
+        ref = _reference(copy, found[1], views)
         for refs, i in where:
             refs[i] = ref
     return sorted({arena.id for arena, _ in places})
 
 
-def _reference(
-    data: torch.Tensor, found: tuple[Arena, Span] | None, arenas: dict[str, Arena]
-) -> TensorRef:
-    """`data` as the writer process finds it: where its storage is (`found`; None for an empty
-    tensor) and its view of it; its arena joins `arenas`."""
-    span = None
-    if found is not None:
-        arena, span = found
-        arenas[arena.id] = arena
-    return TensorRef(
-        span, str(data.dtype), tuple(data.shape), tuple(data.stride()), int(data.storage_offset())
+def _reference(data: torch.Tensor, span: Span | None, views: dict[View, View]) -> TensorRef:
+    """`data` as the writer process finds it: where its storage is (`span`; None for an empty
+    tensor) and its view of it (equal views as one object, from `views`)."""
+    view: View = (
+        str(data.dtype),
+        tuple(data.shape),
+        tuple(data.stride()),
+        int(data.storage_offset()),
     )
+    view = views.setdefault(view, view)
+    if span is None:
+        return (None, 0, 0, view)
+    return (span.arena_id, span.offset, span.size, view)
 
 
 # -- the writer process --------------------------------------------------------------------------
@@ -319,7 +367,11 @@ def _serve(conn: Connection) -> None:
                 os.close(fd)
         for a in set(maps) - set(job.arenas):
             del maps[a]  # unmapped once the last save's tensors are gone
-        _write_job(conn, job, maps)
+        gc.disable()  # a job makes objects by the ten thousand, and no cycles to collect
+        try:
+            _write_job(conn, job, maps)
+        finally:
+            gc.enable()
         for a in job.scratch:
             del maps[a]
 
@@ -351,17 +403,27 @@ def _items(refs: list[TensorRef | bytes], maps: dict[str, mmap.mmap]) -> Iterato
             fault_point("writer-process-writing")
 
 
+_DTYPES: dict[str, tuple[torch.dtype, int]] = {}
+"""dtype name -> (dtype, element size): looked up once per dtype, not per item."""
+
+
+def _dtype(name: str) -> tuple[torch.dtype, int]:
+    known = _DTYPES.get(name)
+    if known is None:
+        dtype = getattr(torch, name.removeprefix("torch."))
+        known = _DTYPES[name] = (dtype, torch.empty((), dtype=dtype).element_size())
+    return known
+
+
 def _tensor(ref: TensorRef, maps: dict[str, mmap.mmap]) -> torch.Tensor:
     """The staged tensor `ref` names, on the shared memory (no copy), with a storage of exactly
     its bytes as it had when staged."""
-    dtype = getattr(torch, ref.dtype.removeprefix("torch."))
-    if ref.span is None:
-        return torch.empty_strided(ref.shape, ref.stride, dtype=dtype)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    count = ref.span.size // itemsize
-    memory = maps[ref.span.arena_id]
-    flat = torch.frombuffer(memory, dtype=dtype, count=count, offset=ref.span.offset)
-    return flat.as_strided(ref.shape, ref.stride, ref.storage_offset)
+    arena_id, offset, size, (dtype_name, shape, stride, storage_offset) = ref
+    dtype, itemsize = _dtype(dtype_name)
+    if arena_id is None:
+        return torch.empty_strided(shape, stride, dtype=dtype)
+    flat = torch.frombuffer(maps[arena_id], dtype=dtype, count=size // itemsize, offset=offset)
+    return flat.as_strided(shape, stride, storage_offset)
 
 
 def _portable(error: BaseException, folder: Path) -> CheckpointError:
@@ -391,6 +453,7 @@ def main(argv: list[str]) -> int:
     conn = Connection(int(argv[0]))
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     torch.set_num_threads(1)
+    gc.freeze()  # what the imports made is never garbage: collections skip it
     _serve(conn)
     return 0
 
