@@ -249,6 +249,23 @@ def test_the_storage_keys_are_built_when_first_read_and_copies_share_them(
     assert md.storage_data and not twin.storage_data
 
 
+def test_the_planner_data_is_checked_when_decoded_and_built_when_first_read() -> None:
+    """`planner_data` is checked by `decode` (a bad path part is refused there: CRAFTED) but
+    built on first use, the same in every copy; a null one is None at once."""
+    header = _header(planner_data=[["w", ["model", "w"]], ["v", ["optim", 0, "v"]]])
+    md = native_metadata.decode(_record(header, _INTS), "rec")
+    assert isinstance(md, native_metadata.NativeMetadata) and not md.planner_built
+    twin = copy.copy(md)
+    assert md.planner_data == {"w": ("model", "w"), "v": ("optim", 0, "v")}
+    assert md.planner_built and twin.planner_built and twin.planner_data is md.planner_data
+    assert pickle.loads(pickle.dumps(md)).planner_data == md.planner_data
+    twin.planner_data = {}  # a copy's own value, not its twin's
+    assert md.planner_data and twin.planner_data == {}
+    empty = native_metadata.decode(_record(_header(planner_data=None), _INTS), "rec")
+    assert isinstance(empty, native_metadata.NativeMetadata) and empty.planner_built
+    assert empty.planner_data is None
+
+
 def _table(data: bytes) -> list[int]:
     start = 16 + int.from_bytes(data[8:16], "little")
     return [int.from_bytes(data[i : i + 8], "little") for i in range(start, len(data), 8)]

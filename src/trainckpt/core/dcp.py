@@ -242,7 +242,7 @@ class _SafeReader(ParallelReader):
         md = copy.copy(self._metadata)  # trainckpt's own keeps its storage keys unbuilt
         md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
-        if md.planner_data is None:
+        if getattr(md, "planner_built", True) and md.planner_data is None:  # unbuilt: a dict
             md.planner_data = {}
         return md
 

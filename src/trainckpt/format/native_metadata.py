@@ -239,8 +239,10 @@ class NativeMetadata(Metadata):
     """The `Metadata` decoded from a record, with its `storage_data` (a key object and a dict
     entry per stored piece, 60,000 for a 16,000-entry state) built on first use, and `pieces`:
     the stored piece of each entry that has exactly one (byte values, tensors of one chunk) by
-    name, all that a load of whole entries needs (`shard_reader`). Copies (`copy.copy`) share
-    what is built; pickling, `dataclasses.replace` and equality see a plain `Metadata`."""
+    name, all that a load of whole entries needs (`shard_reader`). Its `planner_data` (checked
+    when decoded) is likewise built on first use: DCP's load of a whole state never reads it.
+    Copies (`copy.copy`) share what is built; pickling, `dataclasses.replace` and equality
+    see a plain `Metadata`."""
 
     def __init__(
         self,
@@ -252,8 +254,10 @@ class NativeMetadata(Metadata):
         *,
         pieces: dict[str, _StorageInfo] | None = None,
         build: Callable[[], dict[MetadataIndex, _StorageInfo]] | None = None,
+        build_planner: Callable[[], dict[str, tuple[str | int, ...]]] | None = None,
     ) -> None:
         self._lazy: list[Any] = [storage_data, build]  # shared by copies
+        self._lazy_planner: list[Any] = [planner_data, build_planner]
         self.pieces = pieces
         super().__init__(state_dict_metadata, planner_data, storage_data, storage_meta, version)
 
@@ -268,6 +272,23 @@ class NativeMetadata(Metadata):
     def storage_data(self, value: Any) -> None:
         if value is not None or self._lazy[1] is None:
             self._lazy = [value, None]
+
+    @property  # type: ignore[override]
+    def planner_data(self) -> Any:
+        lazy = self._lazy_planner
+        if lazy[1] is not None:
+            lazy[0], lazy[1] = lazy[1](), None
+        return lazy[0]
+
+    @planner_data.setter
+    def planner_data(self, value: Any) -> None:
+        if value is not None or self._lazy_planner[1] is None:
+            self._lazy_planner = [value, None]
+
+    @property
+    def planner_built(self) -> bool:
+        """Whether `planner_data` exists already; if not, it is a dict (never None)."""
+        return self._lazy_planner[1] is None
 
     @property
     def storage_built(self) -> bool:
@@ -379,15 +400,18 @@ class _Decoder:
         if not _fast_byte_values(h["bytes"], files, entries, pieces, later):
             self.byte_values(h["bytes"], files, entries, storage)
             pieces = None
-        planner_data = _fast_planner_data(h["planner_data"])
-        if planner_data is None:
+        build_planner = _fast_planner_data(h["planner_data"])
+        planner_data = None
+        if build_planner is None:
             planner_data = self.planner_data(h["planner_data"])
         storage_meta = self.storage_meta(h["storage_meta"])
         version = self.optional_str(h["dcp_version"], "dcp_version")
         if pieces is None:  # built record by record: already whole
             for build in later:
                 storage.update(build())
-            return NativeMetadata(entries, planner_data, storage, storage_meta, version)
+            return NativeMetadata(
+                entries, planner_data, storage, storage_meta, version, build_planner=build_planner
+            )
 
         def build_storage() -> dict[MetadataIndex, _StorageInfo]:
             built: dict[MetadataIndex, _StorageInfo] = {}
@@ -396,7 +420,14 @@ class _Decoder:
             return built
 
         return NativeMetadata(
-            entries, planner_data, None, storage_meta, version, pieces=pieces, build=build_storage
+            entries,
+            planner_data,
+            None,
+            storage_meta,
+            version,
+            pieces=pieces,
+            build=build_storage,
+            build_planner=build_planner,
         )
 
     def fields(self, obj: Any, what: str, names: Sequence[str]) -> dict[str, Any]:
@@ -683,8 +714,9 @@ def _fast_byte_values(
 _BYTES_ENTRY = BytesStorageMetadata()
 
 
-def _fast_planner_data(obj: Any) -> dict[str, tuple[str | int, ...]] | None:
-    """`_Decoder.planner_data`, column by column; None where in doubt (or null)."""
+def _fast_planner_data(obj: Any) -> Callable[[], dict[str, tuple[str | int, ...]]] | None:
+    """`_Decoder.planner_data`, column by column: checked now, and a function that builds it
+    (on first use: `NativeMetadata`); None where in doubt (or null)."""
     columns = _columns(obj, 2)
     if columns is None:
         return None
@@ -693,6 +725,10 @@ def _fast_planner_data(obj: Any) -> dict[str, tuple[str | int, ...]] | None:
         return None
     if paths and _types(paths) != {list}:
         return None
-    if not _types([p for path in paths for p in path]) <= _PATH_PART_TYPES:
+    if not _types(itertools.chain.from_iterable(paths)) <= _PATH_PART_TYPES:
         return None
-    return dict(zip(fqns, map(tuple, paths), strict=True))
+
+    def build() -> dict[str, tuple[str | int, ...]]:
+        return dict(zip(fqns, map(tuple, paths), strict=True))
+
+    return build
