@@ -105,7 +105,7 @@ def save_state(
                 storage_writer=writer,
                 planner=planner,
                 process_group=group,
-                no_dist=not dist.is_distributed(),
+                no_dist=dist.get_world_size(group) == 1,  # DCP's collectives pickle every plan
             )
         except BaseException:
             plan_cache.forget()  # every rank sees the failure: all plan the next save anew
@@ -533,7 +533,7 @@ def load_state(
             ),
             planner=_SafeLoadPlanner(folder, direct=True),
             process_group=group,
-            no_dist=not dist.is_distributed(),
+            no_dist=dist.get_world_size(group) == 1,  # DCP's collectives pickle every plan
         )
 
 
