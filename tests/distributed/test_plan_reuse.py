@@ -188,3 +188,22 @@ def test_the_flattening_is_dcps_own_or_left_to_dcp() -> None:
     assert all(flat[k] is dcp_flat[k] for k in flat)
     for left in ({"a": [w]}, {"a": {"b": 1}, "a.b": 2}, {"a": {"b": [1, 2]}}):
         assert plan_cache.flatten_nested(left) is None
+
+
+def test_the_same_flat_keys_under_another_nesting_replan(tmp_path: Path) -> None:
+    """The state's shape tells nestings apart that flatten to the same keys: DCP's mappings
+    (which nested dict each value goes back to on load) differ, so the plan must too."""
+    plan_cache.forget()
+    w = torch.randn(3)
+    one: dict[str, Any] = {"a": {"b.c": w, "n": 1}}
+    other: dict[str, Any] = {"a.b": {"c": w}, "a": {"n": 1}}
+    assert _save(one, tmp_path / "s1") == PLANNED
+    assert _save(other, tmp_path / "s2") == PLANNED
+    mappings = read_dcp_metadata(*resolve(str(tmp_path / "s2"))).planner_data
+    assert mappings["a.b.c"] == ("a.b", "c")
+    assert _save(one, tmp_path / "s3") == REUSED  # the first plan is still kept
+    assert read_dcp_metadata(*resolve(str(tmp_path / "s3"))).planner_data["a.b.c"] == (
+        "a",
+        "b.c",
+    )
+    _same(_read(tmp_path / "s3"), {"a.b.c": w, "a.n": 1})

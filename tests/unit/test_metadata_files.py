@@ -133,3 +133,22 @@ def test_frames_are_dropped_and_a_pickle_not_made_of_frames_is_left_whole() -> N
     assert pickle.loads(flat) == list(range(100_000))
     big = pickle.dumps(["x" * 200_000, 1], protocol=4)  # written outside of frames
     assert metadata_files._unframed(big) is None
+
+
+def test_the_very_result_lists_of_the_kept_layout_reuse_it_and_a_longer_one_does_not() -> None:
+    """The writer hands out the previous save's result lists when every item kept its place:
+    known equal by identity, their bytes are reused; a list that grew since is compared row
+    by row (and here differs)."""
+    metadata_files.forget()
+    md = _metadata()
+    md.version = "1.0.0"
+    results = _results(md)
+    assert _encode(md, results, _meta("tckpt-a1", "/ck/step1"))[0] == "encoded"
+    again = dataclasses.replace(md)
+    what, reused = _encode(again, results, _meta("tckpt-b2", "/ck/step2"))
+    assert what == "reused"
+    _describe(reused, again)
+    results[0].append(WriteResult(MetadataIndex("x"), 1, _StorageInfo("__0_0.distcp", 9, 1)))
+    grown = dataclasses.replace(md)
+    assert _encode(grown, results, _meta("tckpt-c3", "/ck/step3"))[0] == "encoded"
+    assert MetadataIndex("x") in grown.storage_data

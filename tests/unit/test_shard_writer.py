@@ -229,3 +229,26 @@ def test_small_items_written_together_each_keep_their_place_and_crc32c(
             assert part == item
         else:
             assert torch.equal(torch.load(io.BytesIO(part), weights_only=True), item)
+
+
+def test_items_go_to_files_as_dcps_own_writer_splits_them() -> None:
+    """`_buckets` splits a plan's items into files exactly as DCP's `_split_by_size_and_type`
+    (byte items dealt in turn, tensors largest first to the emptiest file, ties to the first)."""
+    import random
+
+    from torch.distributed.checkpoint.filesystem import _split_by_size_and_type
+    from torch.distributed.checkpoint.planner_helpers import _create_write_items
+
+    rng = random.Random(0)
+    state: dict[str, object] = {}
+    for i in range(300):
+        if rng.random() < 0.4:
+            state[f"v{i}"] = rng.random()
+        else:
+            shape = [rng.choice([1, 2, 3, 16]) for _ in range(rng.randint(0, 3))]
+            state[f"t{i}"] = torch.zeros(shape, dtype=rng.choice([torch.float32, torch.int8]))
+    items = [wi for fqn, obj in state.items() for wi in _create_write_items(fqn, obj)]
+    rng.shuffle(items)
+    for bins in (1, 2, 3, 8):
+        expected = [b for b in _split_by_size_and_type(bins, items) if b]
+        assert [b for b in shard_writer._buckets(bins, items) if b] == expected, bins

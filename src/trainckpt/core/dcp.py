@@ -12,7 +12,7 @@ import copy
 import io
 import logging
 import warnings
-from collections.abc import Callable, Generator, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.planner import (
 from trainckpt.core import dist, plan_cache
 from trainckpt.core.gc_pause import paused_gc
 from trainckpt.errors import CheckpointError, StorageError
-from trainckpt.format import plain_values, shard_checksums
+from trainckpt.format import plain_values, shard_checksums, shard_writer
 from trainckpt.format.safe_unpickle import load_torch_plain
 from trainckpt.format.shard_reader import ParallelReader
 from trainckpt.format.shard_writer import RecordingWriter, ShardWriter
@@ -97,21 +97,31 @@ def save_state(
         incremental=incremental,
     )
     where = f"writing DCP state into '{folder}'"
-    planner = _SavePlanner(dist.get_rank(group), dist.get_world_size(group))
     with paused_gc(), _quiet_single_process(), plain_errors(where, StorageError):
         try:
-            dcp.save(
-                state,
-                storage_writer=writer,
-                planner=planner,
-                process_group=group,
-                no_dist=dist.get_world_size(group) == 1,  # DCP's collectives pickle every plan
-            )
+            written = _save(state, writer, group)
         except BaseException:
             plan_cache.forget()  # every rank sees the failure: all plan the next save anew
             raise
     # shards and (rank 0) the metadata files: CRC32C computed from the bytes written
-    return {f"{rel}{n}": e for n, e in writer.written.items()}
+    return {f"{rel}{n}": e for n, e in written.items()}
+
+
+def _save(
+    state: dict[str, Any], writer: RecordingWriter, group: dist.ProcessGroup | None
+) -> dict[str, FileEntry]:
+    """`dcp.save` with our planner; returns the files written. Its own function so that the
+    planner (the flat state, its signature: tens of thousands of young objects) is freed
+    before the collector resumes: otherwise its first collection walks them all."""
+    planner = _SavePlanner(dist.get_rank(group), dist.get_world_size(group))
+    dcp.save(
+        state,
+        storage_writer=writer,
+        planner=planner,
+        process_group=group,
+        no_dist=dist.get_world_size(group) == 1,  # DCP's collectives pickle every plan
+    )
+    return writer.written
 
 
 _ABSENT = object()
@@ -128,6 +138,65 @@ class _SavePlanner(plan_cache.ReusingSavePlanner):
         if len(all_plans) == 1:
             return all_plans
         return super()._dedup_save_plans(all_plans)
+
+    def __init__(self, rank: int, world: int) -> None:
+        super().__init__(rank, world)
+        self._saved: dict[int, tuple[Any, bytes]] = {}
+
+    def resolve_item(self, write_item: WriteItem) -> Any:
+        """What the shard writer writes for an item (`shard_writer.resolve_item`: the data
+        on the CPU, a view cloned), in one call for the common kinds: a whole plain CPU
+        tensor, or a plain value whose bytes were made for the same object before in this
+        save (a flattened optimizer state holds each hyperparameter object once per
+        parameter). Anything else as `resolve_data`, then `shard_writer.resolve_item`."""
+        index = write_item.index
+        obj = self.state_dict.get(index.fqn, _ABSENT)
+        kind = type(obj)
+        if kind is torch.Tensor and index.offset is not None and not any(index.offset):
+            if (
+                len(index.offset) == obj.dim()
+                and not obj.requires_grad
+                and obj.is_cpu
+                and obj.untyped_storage().nbytes() == obj.nbytes
+            ):
+                return obj
+        elif index.offset is None and kind not in _PLAIN_TENSORS:
+            known = self._saved.get(id(obj))
+            if known is not None and known[0] is obj:
+                return known[1]
+        data = shard_writer.resolve_item(self, write_item)
+        if (
+            write_item.type == WriteItemType.BYTE_IO
+            and type(data) is bytes
+            and plain_values.value_key(obj) is not None
+        ):
+            self._saved[id(obj)] = (obj, data)  # immutable: same object, same bytes
+        return data
+
+    def resolve_items(self, items: Iterable[WriteItem]) -> Iterator[Any]:
+        """`resolve_item` of each of `items` in turn, its common cases in one loop (a shard
+        file's items: thousands of calls saved)."""
+        state, saved, tensor = self.state_dict, self._saved, torch.Tensor
+        for item in items:
+            index = item.index
+            obj = state.get(index.fqn, _ABSENT)
+            offset = index.offset
+            if offset is None:
+                known = saved.get(id(obj))
+                if known is not None and known[0] is obj:
+                    yield known[1]
+                    continue
+            elif (
+                type(obj) is tensor
+                and not any(offset)
+                and len(offset) == obj.dim()
+                and not obj.requires_grad
+                and obj.is_cpu
+                and obj.untyped_storage().nbytes() == obj.nbytes
+            ):
+                yield obj
+                continue
+            yield self.resolve_item(item)
 
     def resolve_data(self, write_item: WriteItem) -> Any:
         """DCP's value of an item, found directly for a plain value or a whole plain tensor

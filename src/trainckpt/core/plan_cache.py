@@ -130,33 +130,130 @@ def flatten_nested(
     same flat dict, in the same order, and mappings, from one walk instead of DCP's two (each
     of which looks at every value again to tell leaves from lists). None for any other state,
     or a repeated flat key (DCP then flattens it, or names the repeated key)."""
+    found = _flatten(state, mappings=True)
+    return None if found is None else (found.flat, found.mappings)
+
+
+@dataclass
+class _Flat:
+    """What `_flatten` found: the flat state, DCP's mappings (when asked for), and the
+    state's shape (`_walk`), or None when an entry is of a kind a shape does not describe."""
+
+    flat: dict[str, Any]
+    mappings: dict[str, tuple[str | int, ...]]
+    shape: tuple[Any, ...] | None
+
+
+_LEAVES = frozenset({float, int, bool, str, bytes, type(None), tuple, complex})
+"""Leaf types that are neither mappings, lists nor tensors: written as byte items."""
+_FAST = _LEAVES | frozenset(_PLAIN)
+_STR = frozenset({str})
+
+
+def _flatten(state: Mapping[Any, Any], mappings: bool) -> _Flat | None:
+    """`flatten_nested`'s walk, with the state's shape (`_walk`). `mappings`: also build
+    DCP's mappings (else left empty: only a new plan needs them)."""
     if _dcp_version._derived_version == "2_3":
         return None  # DCP's older traversal stops at other places
-    flat: dict[str, Any] = {}
-    mappings: dict[str, tuple[str | int, ...]] = {}
-    return (flat, mappings) if _walk(state, (), "", flat, mappings) else None
+    found = _Flat({}, {}, None)
+    try:
+        found.shape = _walk(state, (), "", found, mappings)
+    except _NotFlat:
+        return None
+    return found
+
+
+class _NotFlat(Exception):
+    """A state `flatten_nested` leaves to DCP."""
 
 
 def _walk(
     mapping: Mapping[Any, Any],
     path: tuple[str, ...],
     prefix: str,
-    flat: dict[str, Any],
-    mappings: dict[str, tuple[str | int, ...]],
-) -> bool:
-    """`flatten_nested`'s walk over one mapping (depth first, in order, as DCP's)."""
+    found: _Flat,
+    mappings: bool,
+) -> tuple[Any, ...] | None:
+    """Flatten one mapping into `found` (depth first, in order, as DCP's) and return its
+    shape: everything DCP's local plan depends on besides the rank's place, as (keys, the
+    type of each value, the properties of each tensor in order, the shapes of the nested
+    mappings in order). A tensor's properties are its dtype, shape, layout, `requires_grad`
+    and pinned memory, a DTensor's also its mesh, placements and local tensor's. Keys and
+    types give the flat keys and DCP's mappings exactly, so two states of one shape plan
+    alike. None when an entry is of a kind the shape does not describe (tensor subclasses
+    and the like): such states are planned every time. A mapping of plain dict leaves (the
+    flat model and optimizer states) is taken whole, without a step per entry."""
+    flat = found.flat
+    if type(mapping) is dict:
+        keys = tuple(mapping)
+        values = list(mapping.values())
+        kinds = tuple(map(type, values))
+        if _FAST.issuperset(kinds) and _STR.issuperset(map(type, keys)):
+            names = [prefix + k for k in keys] if prefix else keys
+            size = len(flat)
+            flat.update(zip(names, values, strict=True))
+            if len(flat) != size + len(keys):
+                raise _NotFlat  # a flat key twice
+            if mappings:
+                found.mappings.update(zip(names, [(*path, k) for k in keys], strict=True))
+            attrs = tuple(
+                [
+                    (v.dtype, v.shape, v.layout, v.requires_grad, v.is_pinned())
+                    for v, kind in zip(values, kinds, strict=True)
+                    if kind in _PLAIN
+                ]
+            )
+            return keys, kinds, attrs, ()
+    return _walk_each(mapping, path, prefix, found, mappings)
+
+
+def _walk_each(
+    mapping: Mapping[Any, Any],
+    path: tuple[str, ...],
+    prefix: str,
+    found: _Flat,
+    mappings: bool,
+) -> tuple[Any, ...] | None:
+    """`_walk` one entry at a time: nested mappings, keys other than str, other values."""
+    flat, maps = found.flat, found.mappings
+    keys: list[str] = []
+    kinds: list[type] = []
+    attrs: list[tuple[Any, ...]] = []
+    children: list[tuple[Any, ...] | None] = []
+    signed = True
     for k, v in mapping.items():
-        key = str(k)
-        if isinstance(v, Mapping):
-            if not _walk(v, (*path, key), f"{prefix}{key}.", flat, mappings):
-                return False
+        key = k if type(k) is str else str(k)
+        kind = type(v)
+        keys.append(key)
+        kinds.append(kind)
+        if kind is dict or (kind not in _FAST and isinstance(v, Mapping)):
+            child = _walk(v, (*path, key), f"{prefix}{key}.", found, mappings)
+            children.append(child)
+            signed = signed and child is not None
             continue
         name = prefix + key
-        if isinstance(v, list | ShardedTensor) or name in flat:
-            return False
+        if name in flat:
+            raise _NotFlat
         flat[name] = v
-        mappings[name] = (*path, key)
-    return True
+        if mappings:
+            maps[name] = (*path, key)
+        if kind in _LEAVES:
+            continue
+        if kind in _PLAIN:
+            attrs.append((v.dtype, v.shape, v.layout, v.requires_grad, v.is_pinned()))
+        elif isinstance(v, list | ShardedTensor):
+            raise _NotFlat
+        elif kind is DTensor:
+            local = v._local_tensor
+            attrs.append(
+                (v.dtype, v.shape, v.device_mesh, v.placements, local.shape, local.layout,
+                 local.requires_grad, local.is_pinned())
+            )  # fmt: skip
+        elif isinstance(v, torch.Tensor) or hasattr(v, "__create_write_items__"):
+            signed = False
+    if not signed:
+        return None
+    return tuple(keys), tuple(kinds), tuple(attrs), tuple(children)
 
 
 class PlanCacheError(CheckpointError):
@@ -174,6 +271,8 @@ class ReusingSavePlanner(DefaultSavePlanner):
         self._hit: _LocalEntry | None = None
         self._new_local: SavePlan | None = None
         self._new_global: _GlobalEntry | None = None
+        self._nested: dict[str, Any] | None = None  # the state `_flatten` flattened
+        self._shape: tuple[Any, ...] | None = None
 
     def set_up_planner(
         self,
@@ -181,18 +280,28 @@ class ReusingSavePlanner(DefaultSavePlanner):
         storage_meta: StorageMeta | None = None,
         is_coordinator: bool = False,
     ) -> None:
-        """DCP's own set-up, with the state flattened by `flatten_nested` when it can."""
-        flat = flatten_nested(state_dict) if self.flatten_state_dict else None
-        if flat is None or not self.flatten_sharded_tensors:
+        """DCP's own set-up, with the state flattened by `_flatten` when it can (DCP's
+        mappings then made only if a new local plan needs them)."""
+        self._shape = None
+        found = _flatten(state_dict, mappings=False) if self.flatten_state_dict else None
+        if found is None or not self.flatten_sharded_tensors:
             super().set_up_planner(state_dict, storage_meta, is_coordinator)
             return
-        self.state_dict, self.mappings = flat
-        self.is_coordinator = is_coordinator
+        self.state_dict, self.is_coordinator = found.flat, is_coordinator
+        self._nested, self._shape = state_dict, found.shape
+        self.mappings = {}
 
     def create_local_plan(self) -> SavePlan:
-        self._signature = state_signature(
-            self.state_dict, self.mappings, self.is_coordinator, self._rank, self._world
-        )
+        if self._nested is not None:
+            self._signature = (
+                None
+                if self._shape is None
+                else (self._rank, self._world, self.is_coordinator, self._shape)
+            )
+        else:
+            self._signature = state_signature(
+                self.state_dict, self.mappings, self.is_coordinator, self._rank, self._world
+            )
         with _lock:
             self._hit = None if self._signature is None else _local.get(self._signature)
         if self._hit is not None:
@@ -200,6 +309,10 @@ class ReusingSavePlanner(DefaultSavePlanner):
             self.plan = self._hit.local_plan
             return SavePlan([], planner_data=_Token(self._hit.generation), usable=False)
         counts["local planned"] += 1
+        if self._nested is not None:  # DCP's mappings, for the new plan
+            found = _flatten(self._nested, mappings=True)
+            assert found is not None and list(found.flat) == list(self.state_dict)
+            self.mappings = found.mappings
         self._new_local = super().create_local_plan()
         return self._new_local
 

@@ -60,10 +60,16 @@ def save_ids(field: str) -> frozenset[str]:
 
 
 def encode(file: str, save_id: str, items: list[tuple[int, int, int]]) -> bytes:
-    """The record of shard `file` of save `save_id` holding `items` (offset, length, crc32c)."""
-    rows = [[offset, length, f"{crc:08x}"] for offset, length, crc in items]
-    body = json.dumps({"file": file, "save_id": save_id, "items": rows}).encode()
-    return body + _FOOTER.pack(len(body), MAGIC)
+    """The record of shard `file` of save `save_id` holding `items` (offset, length, crc32c):
+    the bytes `json.dumps` gives for it, with each row formatted by one C call instead of a
+    list per row for the JSON encoder (a shard holds tens of thousands of small items)."""
+    rows = ", ".join(map(_ROW.__mod__, items))
+    body = f'{{"file": {json.dumps(file)}, "save_id": {json.dumps(save_id)}, "items": [{rows}]}}'
+    data = body.encode()
+    return data + _FOOTER.pack(len(data), MAGIC)
+
+
+_ROW = '[%d, %d, "%08x"]'
 
 
 @dataclass(frozen=True)

@@ -40,9 +40,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import io
 import itertools
+import operator
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -55,7 +59,6 @@ from torch.distributed.checkpoint.filesystem import (
     CURRENT_DCP_VERSION,
     DEFAULT_SUFFIX,
     FileSystemWriter,
-    _split_by_size_and_type,
     _StorageInfo,
     _StoragePrefix,
 )
@@ -158,7 +161,12 @@ class RecordingWriter(FileSystemWriter):
         trainckpt's own format (`native_metadata`); both encoded, or reused from the last save
         of the same layout (`metadata_files`), and recorded in `written`, with write errors
         naming the file."""
-        sources = {r.source_save_id for rs in results for r in rs if isinstance(r, ReusedResult)}
+        kinds = set().union(*(map(type, rs) for rs in results))  # by C loops: 1 per item
+        sources = (
+            {r.source_save_id for rs in results for r in rs if isinstance(r, ReusedResult)}
+            if any(issubclass(k, ReusedResult) for k in kinds)
+            else set()
+        )
         self.save_id = shard_checksums.join_save_ids(self.save_id, sources)  # `storage_meta()`'s
         metadata.version = CURRENT_DCP_VERSION
         files = metadata_files.encode(metadata, results, self.storage_meta())
@@ -182,31 +190,133 @@ class RecordingWriter(FileSystemWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self.save_id = plan.storage_data.save_id
         prefix = plan.storage_data.prefix
-        resolve = functools.partial(_resolve, planner)
+        resolve: Callable[[WriteItem], ItemData] = getattr(
+            planner, "resolve_item", None
+        ) or functools.partial(resolve_item, planner)
         results: list[WriteResult] = []
-        groups = [plan.items]  # the items of each group fill files of their own
-        if self.incremental is not None:
+        files: _Files | None = None
+        if self.incremental is None:
+            files = _files(plan.items, self.thread_count)
+            buckets = files.buckets
+        else:
             layout = self.incremental.lay_out(plan.items, resolve, self.thread_count)
-            groups = layout.groups
             for name, entry in layout.reused_files.items():
                 self.written[name] = entry
             results += layout.reused_results
+            buckets = [
+                _file_order(b) for g in layout.groups for b in _buckets(self.thread_count, g) if b
+            ]
         names = _free_names(prefix, set(self.written))
-        buckets = [b for g in groups for b in _split_by_size_and_type(self.thread_count, g) if b]
-        shards = [Shard(next(names), _file_order(items), resolve) for items in buckets]
+        resolve_all = getattr(planner, "resolve_items", None)
+        shards = [Shard(next(names), items, resolve, resolve_all) for items in buckets]
         written = self.shard_writer.write_shards(
             Path(self.path), shards, self.save_id, self.sync_files, self.on_file
         )
         for shard, done in zip(shards, written, strict=True):
             self.written[shard.name] = done.entry
-            for item, (offset, length) in zip(shard.items, done.spans, strict=True):
-                info = _StorageInfo(shard.name, offset, length)
-                results.append(WriteResult(item.index, length, info))
+        if files is not None:
+            results = files.results(written)
+        else:
+            for shard, done in zip(shards, written, strict=True):
+                name = shard.name
+                results += [
+                    WriteResult(item.index, length, _StorageInfo(name, offset, length))
+                    for item, (offset, length) in zip(shard.items, done.spans, strict=True)
+                ]
         if self.incremental is not None:
             self.incremental.record(shards, written, self.save_id)
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
+
+
+@dataclass
+class _Files:
+    """How a plan's items go to files (`_buckets`, each in file order), kept while the plan is
+    reused (`core/plan_cache.py` hands out the same items list), with the results of the last
+    write: a save whose items all landed where they did last time reuses that list, and
+    `metadata_files` then knows the layout unchanged by identity."""
+
+    items: list[WriteItem]  # the plan's items (held: compared by identity)
+    buckets: list[list[WriteItem]]
+    last: tuple[list[WrittenShard], list[WriteResult]] | None = None
+
+    def results(self, written: list[WrittenShard]) -> list[WriteResult]:
+        """Every item's result (file, offset, length), in file order."""
+        last = self.last
+        if last is not None and len(last[0]) == len(written):
+            if all(
+                a.name == b.name and a.spans == b.spans
+                for a, b in zip(last[0], written, strict=True)
+            ):
+                return last[1]
+        results: list[WriteResult] = []
+        for items, done in zip(self.buckets, written, strict=True):
+            name = done.name
+            results += [
+                WriteResult(item.index, length, _StorageInfo(name, offset, length))
+                for item, (offset, length) in zip(items, done.spans, strict=True)
+            ]
+        self.last = (written, results)
+        return results
+
+
+_files_lock = threading.Lock()
+_kept_files: OrderedDict[tuple[int, int], _Files] = OrderedDict()
+KEPT = 4
+"""Plans whose files are kept per process, as `plan_cache.KEPT`."""
+
+
+def _files(items: list[WriteItem], bins: int) -> _Files:
+    """The files of `items` (`_buckets` in file order), from the last save of the same plan."""
+    key = (id(items), bins)
+    with _files_lock:
+        found = _kept_files.get(key)
+        if found is not None and found.items is items:
+            _kept_files.move_to_end(key)
+            return found
+    made = _Files(items, [_file_order(b) for b in _buckets(bins, items) if b])
+    with _files_lock:
+        _kept_files[key] = made
+        while len(_kept_files) > KEPT:
+            _kept_files.popitem(last=False)
+    return made
+
+
+def _buckets(bins: int, items: list[WriteItem]) -> list[list[WriteItem]]:
+    """`items` split into up to `bins` files as DCP's `_split_by_size_and_type` splits them:
+    byte items dealt in turn, tensors largest first, each to the file with the fewest bytes
+    so far; with a heap instead of a scan of every file per tensor."""
+    if bins <= 1:
+        return [list(items)]
+    byte_io = WriteItemType.BYTE_IO
+    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
+    tensors: list[tuple[int, int, WriteItem]] = []
+    n = 0
+    for i, item in enumerate(items):
+        if item.type == byte_io:
+            buckets[n % bins].append(item)
+            n += 1
+        else:
+            tensors.append((-_item_size(item), i, item))
+    tensors.sort(key=_first_two)
+    heap = [(0, b) for b in range(bins)]
+    for negative, _, item in tensors:
+        size, b = heap[0]
+        buckets[b].append(item)
+        heapq.heapreplace(heap, (size - negative, b))
+    return buckets
+
+
+def _first_two(row: tuple[int, int, WriteItem]) -> tuple[int, int]:
+    return row[0], row[1]
+
+
+def _item_size(item: WriteItem) -> int:
+    """A tensor item's bytes, from its plan (DCP's `_item_size`)."""
+    data = item.tensor_data
+    assert data is not None, f"tensor item {item.index} has no tensor data"
+    return data.size.numel() * data.properties.dtype.itemsize
 
 
 ItemData = torch.Tensor | io.BytesIO | bytes
@@ -221,6 +331,15 @@ class Shard:
     name: str
     items: list[WriteItem]
     resolve: Callable[[WriteItem], ItemData]
+    resolve_all: Callable[[list[WriteItem]], Iterable[ItemData]] | None = None
+    """`resolve` of every item in turn, in one call (a planner's `resolve_items`); None:
+    `resolve` is called per item."""
+
+    def data(self) -> Iterable[ItemData]:
+        """The data of every item in order, each resolved when its turn comes."""
+        if self.resolve_all is not None:
+            return self.resolve_all(self.items)
+        return map(self.resolve, self.items)
 
 
 @dataclass(frozen=True)
@@ -264,8 +383,7 @@ class ThreadShardWriter:
             return []
 
         def write(shard: Shard) -> WrittenShard:
-            items = (shard.resolve(item) for item in shard.items)
-            done = write_shard(folder, shard.name, items, save_id, fsync)
+            done = write_shard(folder, shard.name, shard.data(), save_id, fsync)
             if on_file is not None:
                 on_file(shard.name)
             return done
@@ -280,33 +398,73 @@ def write_shard(
 ) -> WrittenShard:
     """Write shard file `name`: each item (a tensor as `torch.save` writes it minus the zip
     CRC32, `tensor_item`; a byte item as it is), then its item record; fsynced with `fsync`.
-    Small items are gathered into one write (`_SmallItems`). Called on: a writer thread, or
-    the writer process."""
+    Small items are gathered into one write (`_SmallItems`), in runs of one kind handed over
+    together (a run's checksums and places are computed in one pass, not item by item).
+    Called on: a writer thread, or the writer process."""
     parts: list[tuple[int, int, int]] = []
+    batch = _SmallItems.BATCH
     with checksummed_file(folder / name, fsync=fsync) as out:
         small = _SmallItems(out, parts)
+        values: list[bytes] = []  # byte items not handed over yet
+        raws: list[bytes] = []  # small tensors' items not handed over yet
+        size = 0  # their bytes
+        tensor = torch.Tensor
         for data in items:
-            if isinstance(data, torch.Tensor):
-                raw = small_item(data)
+            kind = type(data)
+            if kind is bytes:  # a byte item: most items of a flattened optimizer state
+                if raws:
+                    small.add_items(raws)
+                    raws, size = [], 0
+                values.append(data)  # type: ignore[arg-type]
+                size += len(data)  # type: ignore[arg-type]
+            elif kind is tensor or isinstance(data, tensor):
+                raw = small_item(data)  # type: ignore[arg-type]
+                if values:
+                    small.add_values(values)
+                    values, size = [], 0
                 if raw is None:
+                    if raws:
+                        small.add_items(raws)
+                        raws, size = [], 0
                     small.flush()
                     out.start_part()
-                    write_tensor(data, out)
+                    write_tensor(data, out)  # type: ignore[arg-type]
                     parts.append(out.part())
                     continue
-                small.add(raw)
+                raws.append(raw)
+                size += len(raw)
             else:
-                small.add(data.getvalue() if isinstance(data, io.BytesIO) else data, repeats=True)
+                if raws:
+                    small.add_items(raws)
+                    raws, size = [], 0
+                data = data.getvalue() if isinstance(data, io.BytesIO) else data  # type: ignore[union-attr]
+                values.append(data)  # type: ignore[arg-type]
+                size += len(data)  # type: ignore[arg-type]
+            if size >= batch:
+                if values:
+                    small.add_values(values)
+                if raws:
+                    small.add_items(raws)
+                values, raws, size = [], [], 0
+        if values:
+            small.add_values(values)
+        if raws:
+            small.add_items(raws)
         small.flush()
         out.write(shard_checksums.encode(name, save_id, parts))
-    return WrittenShard(name, out.entry(), [(offset, length) for offset, length, _ in parts])
+    return WrittenShard(name, out.entry(), list(map(_SPAN, parts)))
+
+
+_SPAN = operator.itemgetter(0, 1)
+"""(offset, length) of a part (offset, length, CRC32C)."""
 
 
 class _SmallItems:
-    """Items gathered into one write of up to `BATCH` bytes: one call per item for its own
-    CRC32C (each distinct byte item's computed once: a flattened optimizer state repeats its
-    values), one write and one CRC32C of the file's bytes per batch, where writing each item
-    on its own cost a file write and two checksum calls per item."""
+    """Items gathered into one write of up to about `BATCH` bytes: one CRC32C per item (each
+    distinct byte item's computed once: a flattened optimizer state repeats its values), one
+    write and one CRC32C of the file's bytes per batch, where writing each item on its own
+    cost a file write and two checksum calls per item. Items come in runs, whose places and
+    checksums are computed by C loops (`map`, `accumulate`), not a Python step per item."""
 
     BATCH = 1 << 20
 
@@ -316,17 +474,34 @@ class _SmallItems:
         self._size = 0
         self._crcs: dict[bytes, int] = {}
 
-    def add(self, data: bytes, repeats: bool = False) -> None:
-        """Append item `data`: its part (offset, length, CRC32C) is recorded now. With
-        `repeats` (a byte item), the CRC32C of small equal items is computed once."""
-        crc = self._crcs.get(data) if repeats else None
-        if crc is None:
-            crc = google_crc32c.value(data)
-            if repeats and len(data) <= plain_values.MAX_ITEM_BYTES:
-                self._crcs[data] = crc
-        self._parts.append((self._out.tell() + self._size, len(data), crc))
-        self._pending.append(data)
-        self._size += len(data)
+    def add(self, data: bytes) -> None:
+        """Append item `data` (a tensor's): its part (offset, length, CRC32C) is recorded now."""
+        self.add_items([data])
+
+    def add_items(self, items: list[bytes]) -> None:
+        """Append tensors' items, in order."""
+        self._extend(items, list(map(google_crc32c.value, items)))
+
+    def add_values(self, items: list[bytes]) -> None:
+        """Append byte items, in order; the CRC32C of equal small items is computed once."""
+        known = self._crcs
+        crc_of: dict[bytes, int] = {}
+        for data in set(items):
+            crc = known.get(data)
+            if crc is None:
+                crc = google_crc32c.value(data)
+                if len(data) <= plain_values.MAX_ITEM_BYTES:
+                    known[data] = crc
+            crc_of[data] = crc
+        self._extend(items, list(map(crc_of.__getitem__, items)))
+
+    def _extend(self, items: list[bytes], crcs: list[int]) -> None:
+        lengths = list(map(len, items))
+        # each item's offset, then where the last one ends (left out by zip)
+        offsets = itertools.accumulate(lengths, initial=self._out.tell() + self._size)
+        self._parts.extend(zip(offsets, lengths, crcs, strict=False))
+        self._pending += items
+        self._size += sum(lengths)
         if self._size >= self.BATCH:
             self.flush()
 
@@ -354,8 +529,9 @@ def _file_order(items: list[WriteItem]) -> list[WriteItem]:
     ]
 
 
-def _resolve(planner: SavePlanner, item: WriteItem) -> ItemData:
-    """The data of one item, on the CPU, as DCP's own writer prepares it."""
+def resolve_item(planner: SavePlanner, item: WriteItem) -> ItemData:
+    """The data of one item, on the CPU, as DCP's own writer prepares it (a planner may
+    offer a faster `resolve_item` of its own: `core/dcp.py`)."""
     data = planner.resolve_data(item)
     if isinstance(data, torch.Tensor):
         if data.requires_grad:

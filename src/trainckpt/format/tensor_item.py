@@ -10,6 +10,7 @@ rank, or the writer process (`write_tensor`)."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
 import pickle
 from typing import IO, cast
@@ -64,6 +65,9 @@ class ItemTemplates:
 
     def __init__(self) -> None:
         self._kinds: dict[Kind, tuple[bytes, bytes]] = {}
+        self._quick: dict[tuple[object, ...], tuple[bytes, bytes]] = {}
+        """`_kinds` by the tensor's dtype, shape, strides, storage offset and storage size
+        as torch gives them (no conversions), for the tensors `small_item` accepts."""
 
     def write(self, tensor: torch.Tensor, out: ChecksummedWriter) -> None:
         """Write `tensor` as `save_item` would, from a template when its kind allows one."""
@@ -81,6 +85,7 @@ class ItemTemplates:
             if learned is not None:
                 if len(self._kinds) >= self.LIMIT:
                     self._kinds.clear()
+                    self._quick.clear()
                 self._kinds[kind] = learned
             return
         head, tail = known
@@ -94,12 +99,31 @@ class ItemTemplates:
     def small_item(self, tensor: torch.Tensor) -> bytes | None:
         """The bytes `write` would write for `tensor`, when its kind is known and its storage
         smaller than `SMALL`; else None (then `write` it): what the shard writer gathers into
-        one write with its neighbours."""
-        kind = _kind(tensor)
-        known = None if kind is None else self._kinds.get(kind)
-        if known is None or kind is None or kind[4] >= self.SMALL:
+        one write with its neighbours. Thousands of small tensors each take this path, so
+        it looks the kind up by torch's own objects (`_quick_kind`) and copies the storage
+        with one call (`ctypes.string_at`), not through a numpy view."""
+        if (
+            type(tensor) is not torch.Tensor
+            or tensor.requires_grad
+            or not tensor.is_cpu
+            or tensor.layout is not torch.strided
+        ):
             return None
-        return b"".join((known[0], storage_bytes(tensor), known[1]))
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        if not 0 < nbytes < self.SMALL or tensor.is_conj() or tensor.is_neg():
+            return None
+        quick = (tensor.dtype, tensor.shape, tensor.stride(), tensor.storage_offset(), nbytes)
+        known = self._quick.get(quick)
+        if known is None:
+            kind = _kind(tensor)
+            known = None if kind is None else self._kinds.get(kind)
+            if known is None:
+                return None
+            if len(self._quick) >= self.LIMIT:
+                self._quick.clear()
+            self._quick[quick] = known
+        return b"".join((known[0], ctypes.string_at(storage.data_ptr(), nbytes), known[1]))
 
 
 _TEMPLATES = ItemTemplates()
