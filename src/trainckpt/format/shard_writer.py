@@ -474,10 +474,6 @@ class _SmallItems:
         self._size = 0
         self._crcs: dict[bytes, int] = {}
 
-    def add(self, data: bytes) -> None:
-        """Append item `data` (a tensor's): its part (offset, length, CRC32C) is recorded now."""
-        self.add_items([data])
-
     def add_items(self, items: list[bytes]) -> None:
         """Append tensors' items, in order."""
         self._extend(items, list(map(google_crc32c.value, items)))
