@@ -12,7 +12,7 @@ import copy
 import io
 import logging
 import warnings
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -172,31 +172,6 @@ class _SavePlanner(plan_cache.ReusingSavePlanner):
         ):
             self._saved[id(obj)] = (obj, data)  # immutable: same object, same bytes
         return data
-
-    def resolve_items(self, items: Iterable[WriteItem]) -> Iterator[Any]:
-        """`resolve_item` of each of `items` in turn, its common cases in one loop (a shard
-        file's items: thousands of calls saved)."""
-        state, saved, tensor = self.state_dict, self._saved, torch.Tensor
-        for item in items:
-            index = item.index
-            obj = state.get(index.fqn, _ABSENT)
-            offset = index.offset
-            if offset is None:
-                known = saved.get(id(obj))
-                if known is not None and known[0] is obj:
-                    yield known[1]
-                    continue
-            elif (
-                type(obj) is tensor
-                and not any(offset)
-                and len(offset) == obj.dim()
-                and not obj.requires_grad
-                and obj.is_cpu
-                and obj.untyped_storage().nbytes() == obj.nbytes
-            ):
-                yield obj
-                continue
-            yield self.resolve_item(item)
 
     def resolve_data(self, write_item: WriteItem) -> Any:
         """DCP's value of an item, found directly for a plain value or a whole plain tensor

@@ -81,17 +81,23 @@ def agree(error: BaseException | None, what: str, group: ProcessGroup | None = N
     the first failed rank, so no rank goes on into a collective its peers will never join.
     Called on: all ranks of `group`.
     """
-    if not is_distributed():
-        if error is not None:
-            raise error
-        return
+    agree_gather(None, error, what, group)
+
+
+def agree_gather(
+    value: T, error: BaseException | None, what: str, group: ProcessGroup | None = None
+) -> list[T]:
+    """`agree` and `all_gather_object` of `value` in one round: every rank's `value`, in rank
+    order, unless some rank failed `what` (then raised as `agree` raises).
+    Called on: all ranks of `group`."""
     msg = None if error is None else f"{type(error).__name__}: {error}"
-    outcomes = all_gather_object(msg, group)
+    outcomes = all_gather_object((msg, value), group)
     if error is not None:
         raise error
-    for rank, m in enumerate(outcomes):
+    for rank, (m, _v) in enumerate(outcomes):
         if m is not None:
             raise RankFailedError(f"{what} failed on rank {rank}: {m}")
+    return [v for _m, v in outcomes]
 
 
 def run_on_rank0(fn: Callable[[], T], what: str, group: ProcessGroup | None = None) -> T:

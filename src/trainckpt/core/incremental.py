@@ -35,6 +35,7 @@ import torch
 from trainckpt.errors import CheckpointError, CheckpointNotFoundError
 from trainckpt.format import shard_checksums
 from trainckpt.format.content_hash import (
+    LARGE_ITEM,
     StorageDigests,
     StorageKey,
     bytes_digest,
@@ -305,12 +306,6 @@ def _check(storage: Storage, location: str, f: SavedFile) -> None:
     with storage.open_read(location) as stream:
         record = shard_checksums.read(stream, location)
     record.check_identity(location, f.name, frozenset([f.save_id]))
-
-
-LARGE_ITEM = 1 << 20
-"""Bytes from which an item is hashed on a thread of the pool: a smaller one is hashed in
-less time than handing it to a thread takes (a fine-tune's adapters and optimizer values are
-thousands of such items)."""
 
 
 class Prehash:

@@ -34,6 +34,7 @@ from trainckpt.core.cuda_calls import CudaCalls
 from trainckpt.core.shared_memory import Arena, Pinning, allocate
 from trainckpt.errors import ConfigurationError
 from trainckpt.format.content_hash import (
+    LARGE_ITEM,
     StorageDigests,
     StorageKey,
     storage_key,
@@ -232,7 +233,7 @@ class Stager:
         todo: list[tuple[int, torch.Tensor, torch.Tensor, bytes]] = []
         rest: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         for i, buf, src in zip(positions, *pairs, strict=True):
-            large = buf.nbytes >= SKIP_FROM and i not in self._changed
+            large = buf.nbytes >= LARGE_ITEM and i not in self._changed
             known = hashed.get(storage_key(buf)) if large else None
             if known is not None and _holds_alike(buf, src):
                 todo.append((i, buf, src, known))
@@ -255,11 +256,6 @@ class Stager:
         return rest, vouched
 
 
-SKIP_FROM = 1 << 20
-"""Bytes from which a CPU tensor is hashed at staging, to skip its copy if unchanged (a
-smaller one is copied with the others in one call)."""
-
-
 def _holds_alike(buf: torch.Tensor, src: torch.Tensor) -> bool:
     """True when `src` is a large plain CPU tensor whose storage holds exactly its bytes in
     order, as its buffer `buf`'s does: equal storage hashes then mean equal tensors."""
@@ -269,8 +265,7 @@ def _holds_alike(buf: torch.Tensor, src: torch.Tensor) -> bool:
         return False
     n = src.numel() * src.element_size()
     return (
-        n >= SKIP_FROM
-        and src.is_contiguous()
+        src.is_contiguous()
         and src.storage_offset() == 0
         and src.untyped_storage().nbytes() == n
         and buf.untyped_storage().nbytes() == n

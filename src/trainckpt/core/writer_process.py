@@ -265,7 +265,7 @@ def _export(
     for shard in shards:
         refs: list[TensorRef | bytes | None] = []
         append = refs.append
-        for data in shard.data():  # the planner's one loop over the items
+        for data in shard.data():
             if not isinstance(data, torch.Tensor):
                 append(data.getvalue() if isinstance(data, io.BytesIO) else bytes(data))
                 continue

@@ -65,6 +65,14 @@ def bytes_digest(data: io.BytesIO | bytes) -> bytes:
     return xxhash.xxh3_128_digest(data.getbuffer() if isinstance(data, io.BytesIO) else data)
 
 
+LARGE_ITEM = 1 << 20
+"""Bytes from which a tensor counts as large: an incremental save hashes it on a thread of its
+own (a smaller one is hashed in less time than handing it to a thread takes, and a fine-tune's
+adapters and optimizer values are thousands of such items), starting with the save
+(`incremental.Prehash`), and only such storages are in `StorageDigests.hashed`, so only such a
+staging copy may be skipped (`core/staging.py`)."""
+
+
 StorageKey = tuple[int, int]
 """A storage's (address, size in bytes): while it is alive, no other storage has both."""
 

@@ -207,8 +207,7 @@ class RecordingWriter(FileSystemWriter):
                 _file_order(b) for g in layout.groups for b in _buckets(self.thread_count, g) if b
             ]
         names = _free_names(prefix, set(self.written))
-        resolve_all = getattr(planner, "resolve_items", None)
-        shards = [Shard(next(names), items, resolve, resolve_all) for items in buckets]
+        shards = [Shard(next(names), items, resolve) for items in buckets]
         written = self.shard_writer.write_shards(
             Path(self.path), shards, self.save_id, self.sync_files, self.on_file
         )
@@ -331,14 +330,9 @@ class Shard:
     name: str
     items: list[WriteItem]
     resolve: Callable[[WriteItem], ItemData]
-    resolve_all: Callable[[list[WriteItem]], Iterable[ItemData]] | None = None
-    """`resolve` of every item in turn, in one call (a planner's `resolve_items`); None:
-    `resolve` is called per item."""
 
     def data(self) -> Iterable[ItemData]:
         """The data of every item in order, each resolved when its turn comes."""
-        if self.resolve_all is not None:
-            return self.resolve_all(self.items)
         return map(self.resolve, self.items)
 
 
@@ -411,13 +405,7 @@ def write_shard(
         tensor = torch.Tensor
         for data in items:
             kind = type(data)
-            if kind is bytes:  # a byte item: most items of a flattened optimizer state
-                if raws:
-                    small.add_items(raws)
-                    raws, size = [], 0
-                values.append(data)  # type: ignore[arg-type]
-                size += len(data)  # type: ignore[arg-type]
-            elif kind is tensor or isinstance(data, tensor):
+            if kind is tensor or (kind is not bytes and isinstance(data, tensor)):
                 raw = small_item(data)  # type: ignore[arg-type]
                 if values:
                     small.add_values(values)
@@ -433,11 +421,12 @@ def write_shard(
                     continue
                 raws.append(raw)
                 size += len(raw)
-            else:
+            else:  # a byte item: most items of a flattened optimizer state
+                if kind is not bytes:
+                    data = data.getvalue() if isinstance(data, io.BytesIO) else data  # type: ignore[union-attr]
                 if raws:
                     small.add_items(raws)
                     raws, size = [], 0
-                data = data.getvalue() if isinstance(data, io.BytesIO) else data  # type: ignore[union-attr]
                 values.append(data)  # type: ignore[arg-type]
                 size += len(data)  # type: ignore[arg-type]
             if size >= batch:

@@ -49,14 +49,13 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from trainckpt.core import dist
 from trainckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
-    RankFailedError,
 )
 from trainckpt.local.layout import (
     Holding,
@@ -80,8 +79,6 @@ from trainckpt.storage.local import writing
 from trainckpt.testing.faults import fault_point
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -188,7 +185,7 @@ class LocalTier:
         except Exception as e:
             error = e
         with clock("agree"):  # phase 1 of the own parts, and their records, in one round
-            parts: list[LocalPart] = _agree_gather(part, error, f"writing {what}", self.group)  # type: ignore[arg-type]
+            parts: list[LocalPart] = dist.agree_gather(part, error, f"writing {what}", self.group)  # type: ignore[arg-type]
 
         transfers = [
             Transfer(src=owner, dst=h, owner=owner, size=parts[owner].size)
@@ -229,7 +226,7 @@ class LocalTier:
             except Exception as e:
                 error = e
         with clock("agree"):  # phase 2 and the coverage vote's inventory in one round
-            inventory = _agree_gather(
+            inventory = dist.agree_gather(
                 holdings, error, f"committing {what} (or listing its disk)", self.group
             )
         committed = time.perf_counter() - start
@@ -444,20 +441,6 @@ def _first_failure(
     )
     error.__cause__ = e
     return error
-
-
-def _agree_gather(value: T, error: BaseException | None, what: str, group: Any) -> list[T]:
-    """`dist.agree` and `dist.all_gather_object` in one round: every rank's `value`, in rank
-    order, or, when any rank failed `what`, its own error on that rank and `RankFailedError`
-    naming the first failed rank on the others. Called on: all ranks."""
-    msg = None if error is None else f"{type(error).__name__}: {error}"
-    outcomes = dist.all_gather_object((msg, value), group)
-    if error is not None:
-        raise error
-    for rank, (m, _v) in enumerate(outcomes):
-        if m is not None:
-            raise RankFailedError(f"{what} failed on rank {rank}: {m}")
-    return [v for _m, v in outcomes]
 
 
 def _agree_corrupt(error: BaseException | None, what: str, group: Any) -> None:
