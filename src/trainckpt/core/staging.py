@@ -65,10 +65,8 @@ class Stager:
     ) -> None:
         self.cuda = cuda if cuda is not None else CudaCalls()
         self._on_release = on_release
-        self._buffers: dict[str, torch.Tensor] = {}
-        """The buffers by key path (as `_leaves` names them), for a reader of the stager."""
         self._by_position: list[torch.Tensor] = []
-        """The same buffers in the order `_gather` finds the tensors: what `stage` uses."""
+        """The buffers, in the order `_gather` finds the tensors."""
         self._arenas: list[Arena] = []  # hold every buffer
         self._layout: tuple[bool, bool, list[tuple[torch.Size, torch.dtype]]] | None = None
         self._streams: dict[int, Any] = {}
@@ -116,13 +114,13 @@ class Stager:
             raise
         mark = after if after is not None else self.mark(state)
         with nullcontext() if mark is None else self.cuda.on_device(mark.device):
-            fresh = self._allocate(state, tensors, shared, mark)
+            fresh = self._allocate(tensors, shared, mark)
             self._copy(tensors, mark, fresh)
         return _placed(state, iter(self._by_position), DTensor)
 
     def release(self) -> None:
         """Free the buffers (the next `stage` allocates anew)."""
-        self._buffers, self._by_position, self._arenas, self._layout = {}, [], [], None
+        self._by_position, self._arenas, self._layout = [], [], None
         self._changed = set()
         if self.digests is not None:
             self.digests.clear()
@@ -135,8 +133,8 @@ class Stager:
         aligned to 64 bytes)."""
         return sum(arena.size for arena in self._arenas)
 
-    def _allocate(self, state: Any, tensors: list[torch.Tensor], shared: bool, mark: Any) -> bool:
-        """A buffer for every tensor of `tensors` (`state`'s, in `_gather`'s order), in new
+    def _allocate(self, tensors: list[torch.Tensor], shared: bool, mark: Any) -> bool:
+        """A buffer for every tensor of `tensors` (the state's, in `_gather`'s order), in new
         arenas unless the current ones hold buffers of exactly these shapes and dtypes in this
         order (and were pinned if asked to). Buffers go by position: the keys do not matter,
         as `_placed` puts each buffer where its tensor was. True when the buffers are new."""
@@ -156,8 +154,6 @@ class Stager:
             arena.tensor(offset, t.shape, t.dtype)
             for t, (arena, offset) in zip(tensors, places, strict=True)
         ]
-        keys = _leaves(state, "")  # once per new layout: the same walk, with key paths
-        self._buffers = dict(zip(keys, self._by_position, strict=True))
         self._arenas = list({id(arena): arena for arena, _ in places}.values())
         self._layout = (shared, pin, layout)
         if any(arena.pin_refused for arena in self._arenas):

@@ -368,16 +368,20 @@ def _serve(conn: Connection) -> None:
             del maps[a]  # unmapped once the last save's tensors are gone
         gc.disable()  # a job makes objects by the ten thousand, and no cycles to collect
         try:
-            _write_job(conn, job, maps)
+            outcome = _write_job(conn, job, maps)
         finally:
             gc.enable()
         for a in job.scratch:
-            del maps[a]
+            del maps[a]  # unmapped before the outcome is sent: the save is over then
+        conn.send(outcome)
 
 
-def _write_job(conn: Connection, job: Job, maps: dict[str, mmap.mmap]) -> None:
-    """Write every shard of `job` on `job.threads` threads; send each as it is complete, then
-    "done", or the first failure once every file is finished or failed."""
+def _write_job(
+    conn: Connection, job: Job, maps: dict[str, mmap.mmap]
+) -> tuple[str, CheckpointError | None]:
+    """Write every shard of `job` on `job.threads` threads; send each as it is complete.
+    Returns the outcome to send once the job's memory is let go: "done", or the first failure
+    once every file is finished or failed."""
     folder = Path(job.folder)
 
     def write(name: str, refs: list[TensorRef | bytes]) -> WrittenShard:
@@ -391,8 +395,9 @@ def _write_job(conn: Connection, job: Job, maps: dict[str, mmap.mmap]) -> None:
                 conn.send(("file", future.result()))
             except BaseException as e:
                 error = error or e
-    conn.send(("done", None) if error is None else ("error", _portable(error, folder)))
+    outcome = ("done", None) if error is None else ("error", _portable(error, folder))
     error = None  # its traceback holds this frame, and so the last tensors: unmap them now
+    return outcome
 
 
 def _items(refs: list[TensorRef | bytes], maps: dict[str, mmap.mmap]) -> Iterator[ItemData]:
