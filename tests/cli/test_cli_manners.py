@@ -107,10 +107,13 @@ def test_a_malformed_url_is_refused_naming_the_argument(
 
 
 def test_a_slow_remote_says_what_the_command_waits_for(http_server, http_folder):
-    """A server that answers 503 to everything: after about 2 s a line on stderr names the
-    URL and the retry deadline; the command still ends with its one-line error."""
+    """A server that answers 503 to everything, each after 1 s: after about 2 s a line on
+    stderr names the URL and the retry deadline; the command still ends with its one-line error.
+    (The delay makes the command outlast the 2 s: with full-jitter backoff a request may give up
+    well before its deadline, when the next drawn wait would end past it.)"""
     _, url = http_folder
     http_server.failures[:] = [503] * 100
+    http_server.failure_delay = 1.0
     try:
         proc = subprocess.run(
             [str(TRAINCKPT), "--timeout", "3", "verify", f"{url}/step1"],
@@ -121,6 +124,7 @@ def test_a_slow_remote_says_what_the_command_waits_for(http_server, http_folder)
         )
     finally:
         http_server.failures.clear()
+        http_server.failure_delay = 0.0
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr
     assert lines[0] == (

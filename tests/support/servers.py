@@ -151,6 +151,7 @@ class _StaticHandler(http.server.BaseHTTPRequestHandler):
         self.server.count(self.command, self.path, self.headers.get("Range"))
         injected = self.server.next_failure(self.path)
         if injected is not None:
+            time.sleep(self.server.failure_delay)
             self.send_error(injected)
             return
         rel = urllib.request.url2pathname(self.path.split("?", 1)[0]).lstrip("/")
@@ -217,6 +218,9 @@ class StaticHTTPServer(http.server.ThreadingHTTPServer):
         self.failure_path: str | None = None
         """When set, only requests for this path get the queued failures (so a stray request
         of another test cannot use one up)."""
+        self.failure_delay = 0.0
+        """Seconds to wait before answering with a queued failure (a server that is slow and
+        then fails)."""
         self.refuse_head = False
         """Answer HEAD with 405, as some signed-URL servers and CDNs do."""
         self.ignore_range = False
