@@ -59,6 +59,7 @@ from bench_common import Timer, make_module  # noqa: E402
 
 from trainckpt import CheckpointerConfig  # noqa: E402
 from trainckpt.local.replica_file import MODE_FILE, PROBE_BYTES, WriteMode, read_mode  # noqa: E402
+from trainckpt.local.transfer import CHUNK, DEPTH  # noqa: E402
 
 WORLD = 2
 
@@ -86,6 +87,8 @@ def _cpu_seconds() -> float:
 
 
 def _raw_write(path: Path, nbytes: int) -> float:
+    """Seconds to write `nbytes` already in memory to a new file in one call and fsync it
+    (the bytes made before the clock starts; no CRC). Called on: both ranks at once."""
     data = (os.urandom(1 << 20) * (nbytes // (1 << 20) + 1))[:nbytes]
     with Timer() as t, open(path, "wb") as f:
         f.write(data)
@@ -95,10 +98,11 @@ def _raw_write(path: Path, nbytes: int) -> float:
     return t.seconds
 
 
-def _process_group_transfer(nbytes: int, chunk: int = 16 << 20, depth: int = 2) -> float:
+def _process_group_transfer(nbytes: int, chunk: int = CHUNK, depth: int = DEPTH) -> float:
     """Seconds to send `nbytes` to the peer while receiving as many from it over the default
     gloo group, in `chunk`-byte messages with `depth` in flight each way (replication's
-    pattern, no disk). Called on: both ranks."""
+    pattern and buffers, `local/transfer.py`, with nothing read or written: no disk, no
+    CRC). Called on: both ranks."""
     peer = 1 - dist.get_rank()
     size = min(chunk, nbytes)
     out = [torch.ones(size, dtype=torch.uint8) for _ in range(depth)]

@@ -6,6 +6,7 @@ the record before it counts (docs/design.md §9, docs/local-tier.md)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pickle
 import time
@@ -37,6 +38,13 @@ from trainckpt.testing.faults import fault_point
 
 PIECE_BYTES = 64 << 20
 """A data file of a part is cut into a piece per this many bytes (at most `max_pieces()`)."""
+
+
+WRITEBACK_BYTES = 16 << 20
+"""While a piece is written, the kernel is asked to start writing each further this many bytes
+of it to the disk (`start_writeback`), on a flusher thread: the disk works from the first
+chunk on, instead of only once a piece is full, and the piece's fsync has little left to wait
+for."""
 
 
 PIECE_ALIGN = 4096
@@ -132,8 +140,9 @@ class _Pieces:
     """A write-only file object (`write`, `tell`, `flush`: enough for `torch.save`) whose bytes
     go to `count` piece files of data file `name` in turn (the expected size split evenly,
     rounded up to `PIECE_ALIGN`; the last piece takes whatever is left), or to `name` itself when
-    `count` is 1. A full piece is flushed and fsynced on `flusher` while the next is written.
-    Its time is booked into `clock` (`crc`, `write`; `booked` is their sum)."""
+    `count` is 1. The open piece's writeback is started every `WRITEBACK_BYTES` on `flusher`,
+    and a full piece is flushed and fsynced there while the next is written. Its time is
+    booked into `clock` (`crc`, `write`; `booked` is their sum)."""
 
     def __init__(
         self,
@@ -150,6 +159,8 @@ class _Pieces:
         self._size = 0
         self._open: tuple[str, Path, Any, _TimedWriter] | None = None
         self._flushing: list[tuple[str, _TimedWriter, Future[None]]] = []
+        self._writeback_from = 0  # of the open piece: where its next writeback request starts
+        self._writebacks: list[Future[None]] = []  # of the open piece, in the order asked
         self.booked = 0.0
         self.booked_cpu = 0.0
 
@@ -184,6 +195,8 @@ class _Pieces:
             self._size += take
             if not last and w.tell() >= self._target:
                 self._hand_over()
+            else:
+                self._start_writeback()
         return len(view)
 
     def tell(self) -> int:
@@ -204,6 +217,18 @@ class _Pieces:
         self._current()
         self._hand_over()
 
+    def _start_writeback(self) -> None:
+        """Once `WRITEBACK_BYTES` more of the open piece are in the kernel, ask it (on the
+        flusher: the request may wait for the disk's queue) to start writing them out."""
+        assert self._open is not None
+        fd = self._open[2].fileno()
+        written = os.lseek(fd, 0, os.SEEK_CUR)  # past the file object's own buffer
+        if written - self._writeback_from >= WRITEBACK_BYTES:
+            self._writebacks.append(
+                self._flusher.submit(start_writeback, fd, self._writeback_from, written)
+            )
+            self._writeback_from = written
+
     def _hand_over(self) -> None:
         """Flush the open piece's buffer here, its fsync and close on the flusher."""
         assert self._open is not None
@@ -214,7 +239,8 @@ class _Pieces:
         self.booked += time.perf_counter() - start
         self.booked_cpu += time.thread_time() - cpu
         self._open = None
-        self._flushing.append((name, w, self._flusher.submit(_durable, path, f)))
+        writebacks, self._writebacks, self._writeback_from = self._writebacks, [], 0
+        self._flushing.append((name, w, self._flusher.submit(_durable, path, f, writebacks)))
 
     def entries(self) -> dict[str, FileEntry]:
         """Size and CRC32C of every piece, once all are durable (waits for the flushes)."""
@@ -227,19 +253,54 @@ class _Pieces:
     def abandon(self) -> None:
         """Close what is still open (after a failure; the part then never counts)."""
         if self._open is not None:
+            for writeback in self._writebacks:
+                writeback.exception()  # wait: its file descriptor stays open until then
+            self._writebacks = []
             self._open[2].close()
             self._open = None
         for _name, _w, done in self._flushing:
             done.exception()  # wait: no file is closed under its flush
 
 
-def _durable(path: Path, f: Any) -> None:
-    """fsync and close a flushed file (on a flusher thread)."""
+def _durable(path: Path, f: Any, writebacks: list[Future[None]]) -> None:
+    """fsync and close a flushed file (on a flusher thread), once the writeback requests on
+    its descriptor are done (no request may reach a descriptor closed and reused meanwhile).
+    They were submitted before this job, so they have all been started by the time it runs:
+    waiting for them here never waits for the pool."""
     try:
+        for writeback in writebacks:
+            writeback.exception()
         with writing(path):
             os.fsync(f.fileno())
     finally:
         f.close()
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+"""`SYNC_FILE_RANGE_WRITE` (linux/fs.h): start writeback of the range's dirty pages, wait for
+nothing. Never with the WAIT flags: waiting consumes the file's writeback error (errseq) that
+the final fsync must report."""
+
+
+def _libc_sync_file_range() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux: the fsync alone does the work
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _libc_sync_file_range()
+
+
+def start_writeback(fd: int, start: int, end: int) -> None:
+    """Ask the kernel to start writing bytes [start, end) of `fd` to the disk, and return
+    without waiting (ctypes releases the interpreter lock for the call). Only a head start:
+    a failure here is ignored, the fsync that follows reports every write error."""
+    if _sync_file_range is not None:
+        _sync_file_range(fd, start, end - start, _SYNC_FILE_RANGE_WRITE)
 
 
 class _TimedWriter(ChecksummedWriter):
