@@ -116,6 +116,72 @@ def test_the_hash_decides_not_the_version_counter(run):
     )
 
 
+def test_shortcuts_never_link_a_change_made_behind_the_version_counter(run):
+    """Once a run is steady (the plan, the changed-items hint, the byte items' hashes and the
+    taken-over files' results all kept from save to save), a frozen tensor changed through
+    NumPy, through a view of `.data`, or by `set_` onto other bytes (no version counter bump
+    on the parameter), and a hyperparameter changed in place, are each written, never
+    linked: every checkpoint loads as the state was."""
+    ckpt, module, folder = run
+    base = module.model[0].weight
+    expected = {}
+
+    def save(step: int) -> None:
+        ckpt.save(folder / f"step{step}", module, {"step": step})
+        expected[step] = copy.deepcopy(module)  # shares no tensor (copy_of shares `step`)
+
+    for step in (1, 2, 3):
+        train(module, step)
+        save(step)
+    assert linked(folder / "step2", folder / "step3")
+
+    version = base._version
+    base.detach().numpy()[7, 9] += 1.0  # through NumPy
+    assert base._version == version
+    train(module, 4)
+    save(4)
+    assert all(
+        shards(folder / "step4")[n].st_size < BASE * BASE * 4
+        for n in linked(folder / "step3", folder / "step4")
+    )
+
+    view = base.data[2:4]
+    view.mul_(2.0)  # through a view of .data
+    assert base._version == version
+    save(5)  # no training step: only the base changed
+
+    with torch.no_grad():
+        base.set_(base.detach().clone().add_(1.0))  # other bytes, same kind
+    module.optim.param_groups[0]["lr"] = 0.5  # a byte item, changed in place
+    save(6)
+    assert all(
+        shards(folder / "step6")[n].st_size < BASE * BASE * 4
+        for n in linked(folder / "step5", folder / "step6")
+    )
+
+    for step, state in expected.items():
+        dst = lora_module(seed=5)
+        ckpt.load(folder / f"step{step}", dst)
+        assert_same_state(state, dst)
+    assert expected[6].optim.param_groups[0]["lr"] == 0.5
+
+
+def test_items_that_stop_changing_are_linked_again(run):
+    """Items a save found changed are written at the next save without waiting for their
+    hash (hashed while written): once training stops, that hash lets the save after take
+    their file over. No shard of the third save after the last step is new."""
+    ckpt, module, folder = run
+    for step in (1, 2, 3):
+        train(module, step)
+        ckpt.save(folder / f"step{step}", module, {"step": step})
+    for step in (4, 5, 6):
+        ckpt.save(folder / f"step{step}", module, {"step": step})
+    assert linked(folder / "step5", folder / "step6") == set(shards(folder / "step6"))
+    dst = lora_module(seed=5)
+    ckpt.load(folder / "step6", dst)
+    assert_same_state(module, dst)
+
+
 def test_a_deleted_previous_checkpoint_means_a_full_save(run):
     ckpt, module, folder = run
     train(module, 1)

@@ -7,7 +7,10 @@ bytes (`content_hash.py`), offset and length. At the next save (`Session.lay_out
 same rank:
 
 1. every tensor item is hashed (every save, in full: the hash decides; see "What is hashed" in
-   docs/incremental.md for why no version counter is trusted to skip it);
+   docs/incremental.md for why no version counter is trusted to skip it); a tensor the last
+   save found changed is written without waiting for its hash, and hashed while the files are
+   written, for the next save to compare (a hint only decides when an item is hashed, never
+   that it is unchanged);
 2. a previous file whose every item is present again with the same key and hash is taken over
    as it is: hard-linked (or copied) into `-tmp`, or copied server-side into the claimed prefix
    (`Storage.copy_file`), then checked by its size and item record (it names the file and the
@@ -23,12 +26,13 @@ same bytes: deleting either checkpoint never affects the other.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -49,15 +53,15 @@ from trainckpt.testing.faults import fault_point
 
 if TYPE_CHECKING:  # DCP loads with the first save; `History` is built with the Checkpointer
     from torch.distributed.checkpoint.planner import WriteItem
+    from torch.distributed.checkpoint.storage import WriteResult
 
     from trainckpt.format.shard_writer import ItemData, Layout, Shard, WrittenShard
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class SavedItem:
-    """One item of a shard file as a save wrote it."""
+class SavedItem(NamedTuple):
+    """One item of a shard file as a save wrote it (a tuple: made for every item written)."""
 
     key: Hashable
     """DCP's index of the item and its tensor kind: equal keys hold bytes of equal layout."""
@@ -97,6 +101,30 @@ class _Committed:
     dir: str
     files: tuple[SavedFile, ...]
 
+    @functools.cached_property
+    def known(self) -> dict[Hashable, bytes | None]:
+        """Every item's hash, by key."""
+        return {i.key: i.digest for f in self.files for i in f.items}
+
+
+class _Plan:
+    """What a save's layout needs of each item that depends only on the plan (DCP's items
+    list, handed out again while the plan is reused: `core/plan_cache.py`), by position."""
+
+    def __init__(self, items: list[WriteItem]) -> None:
+        self.items = items  # held: compared by identity
+        self.index: list[tuple[str, Any]] = [(i.index.fqn, i.index.offset) for i in items]
+        self.tensor = [i.tensor_data is not None for i in items]
+        self.large = [_nbytes(i) >= LARGE_ITEM for i in items]
+        self.position = {id(item): n for n, item in enumerate(items)}
+        self._frozen: set[str] | None = None
+
+    def likely_frozen(self) -> set[str]:
+        """`_likely_frozen` of the plan's entries (made on first use)."""
+        if self._frozen is None:
+            self._frozen = _likely_frozen([i.index.fqn for i in self.items])
+        return self._frozen
+
 
 class History:
     """This rank's record of the shard files of its last committed save; kept in memory by a
@@ -109,6 +137,24 @@ class History:
         self._lock = threading.Lock()
         self.digests = StorageDigests()
         """Shared with the `Stager` of async saves (`content_hash.StorageDigests`)."""
+        self.changing: frozenset[tuple[str, Any]] = frozenset()
+        """(fqn, offset) of the tensor items the last save found changed: a hint, for the
+        next save to write them without waiting for their hash (`Session.lay_out`)."""
+        self.late_storages: frozenset[StorageKey] = frozenset()
+        """The large storages of those: the next save's `Prehash` hashes them last."""
+        self.byte_digests: dict[int, tuple[bytes, bytes]] = {}
+        """id -> (bytes, hash) of the last save's byte items (plain values' bytes are made
+        once per value, `plain_values`: the same objects come back at each save)."""
+        self.reused_results: dict[int, tuple[SavedFile, list[WriteResult]]] = {}
+        """The results of the files the last save took over, by id (each held)."""
+        self._plan: _Plan | None = None
+
+    def plan(self, items: list[WriteItem]) -> _Plan:
+        """What is kept of the plan `items` (made anew for a new plan)."""
+        plan = self._plan
+        if plan is None or plan.items is not items:
+            plan = self._plan = _Plan(items)
+        return plan
 
     def previous(self, storage: Storage) -> _Committed | None:
         """The last committed save, if it went to the same kind of storage."""
@@ -154,12 +200,20 @@ class Session:
     ) -> None:
         """`state`: the state dict this save writes (live, or the staged copy of an async
         save; it does not change while the save runs): its large tensors start being hashed
-        now, on other threads, while DCP plans (`Prehash`)."""
+        now, on other threads, while DCP plans (`Prehash`), those the last save found
+        changed last."""
         self.history = history
         self.reuse = reuse
         self.prefix = prefix
-        self._keys: dict[int, tuple[Hashable, bytes | None]] = {}  # id(WriteItem) -> key, hash
-        self._prehash = Prehash(state, history.digests) if state else None
+        self._prehash = Prehash(state, history.digests, history.late_storages) if state else None
+        self._plan: _Plan | None = None
+        self._keyed: list[tuple[Hashable, bytes | None] | None] = []
+        self._late: list[int] = []
+        self._late_hashed: Future[None] | None = None
+        self._changed: set[tuple[str, Any]] = set()  # tensor items found changed
+        self._late_storages: set[StorageKey] = set()  # the large storages of those
+        self._storages: dict[int, StorageKey] = {}  # item number -> storage, if prehashed
+        self._known: dict[Hashable, bytes | None] = {}
         history.begin()
 
     def lay_out(
@@ -168,46 +222,94 @@ class Session:
         resolve: Callable[[WriteItem], ItemData],
         threads: int,
     ) -> Layout:
-        """Hash every item, take over the previous files whose items are all unchanged, and
-        group the rest: unchanged (or likely frozen) items, then the others. Called on: each
-        rank, in DCP's `write_data`.
+        """Hash the items that may be unchanged, take over the previous files whose items are
+        all unchanged, and group the rest: unchanged (or likely frozen) items, then the
+        others. Called on: each rank, in DCP's `write_data`.
 
-        Keys are plain tuples (fqn, offset, kind), hashed in C: DCP's `MetadataIndex` hashes
-        in Python, and the lookups of a 3,000-item state were a large part of an incremental
-        save's extra time."""
+        A tensor item the last save found changed (`History.changing`, a hint) is written
+        without waiting for its hash: it goes with the changed items, and is hashed while the
+        files are written (`record` waits for it), for the next save to compare. A hint
+        never makes an item unchanged: only equal hashes do. Keys are plain tuples (fqn,
+        offset, kind), hashed in C; what depends only on the plan is kept with it (`_Plan`)."""
         from torch.distributed.checkpoint.filesystem import _StorageInfo
 
         from trainckpt.format.shard_writer import Layout, ReusedResult
 
-        storages: dict[int, StorageKey] = {}  # item number -> storage of a prehashed item
-        keyed = _keyed_all(items, resolve, threads, self._prehash, storages)
-        self._prehash = None
-        self._keys = {id(item): k for item, k in zip(items, keyed, strict=True)}
-        current = {k[0]: (k[1], item) for item, k in zip(items, keyed, strict=True)}
-        previous = self.history.previous(self.reuse.storage)
-        known: dict[Hashable, bytes | None] = {}
-        candidates: list[SavedFile] = []
-        if previous is not None:
-            for f in previous.files:
-                known.update((i.key, i.digest) for i in f.items)
-                if f.rel == self.prefix + f.name and f.unchanged_in(current):
-                    candidates.append(f)
+        history = self.history
+        plan = self._plan = history.plan(items)
+        previous = history.previous(self.reuse.storage)
+        hint = history.changing if previous is not None else frozenset()
+        keyed = self._keyed = [None] * len(items)
+        late: list[int] = []
+        large: list[int] = []
+        memo, old_memo = {}, history.byte_digests
+        for n, (item, where, big, is_tensor) in enumerate(
+            zip(items, plan.index, plan.large, plan.tensor, strict=True)
+        ):
+            if is_tensor and where in hint:
+                late.append(n)
+            elif big:
+                large.append(n)
+            else:
+                data = resolve(item)
+                if type(data) is bytes:  # a plain value's bytes, made once (`plain_values`)
+                    found = old_memo.get(id(data))
+                    digest = found[1] if found is not None and found[0] is data else None
+                    if digest is None:
+                        digest = bytes_digest(data)
+                    memo[id(data)] = (data, digest)
+                    keyed[n] = ((*where, "bytes"), digest)
+                else:
+                    keyed[n] = _keyed_data(where, data)
+        history.byte_digests = memo  # holds the bytes: an id is not reused meanwhile
+        storages = self._storages
+        _hash_large(items, large, resolve, threads, keyed, self._prehash, storages, urgent=True)
+        self._late = late
+        current: dict[Hashable, tuple[bytes | None, WriteItem]] = {}
+        for n, k in enumerate(keyed):
+            if k is not None:
+                current[k[0]] = (k[1], items[n])
+        known = self._known = previous.known if previous is not None else {}
+        candidates = [
+            f
+            for f in (previous.files if previous is not None else ())
+            if f.rel == self.prefix + f.name and f.unchanged_in(current)
+        ]
         layout = Layout(groups=[])
         placed = self._take_over(previous, candidates, threads) if previous else []
         taken: set[Hashable] = set()
+        results = history.reused_results
+        history.reused_results = {}
         for f in placed:
             layout.reused_files[f.name] = f.entry
-            for i in f.items:
-                taken.add(i.key)
-                info = _StorageInfo(f.name, i.offset, i.length)
-                layout.reused_results.append(
-                    ReusedResult(current[i.key][1].index, i.length, info, source_save_id=f.save_id)
+            found_results = results.get(id(f))
+            if found_results is None or found_results[0] is not f:
+                found_results = (
+                    f,
+                    [
+                        ReusedResult(
+                            current[i.key][1].index,
+                            i.length,
+                            _StorageInfo(f.name, i.offset, i.length),
+                            source_save_id=f.save_id,
+                        )
+                        for i in f.items
+                    ],
                 )
-        frozen: set[str] | None = None  # needed only for items the previous save did not hold
+            history.reused_results[id(f)] = found_results
+            layout.reused_results += found_results[1]
+            taken.update(i.key for i in f.items)
         stable: list[WriteItem] = []
         changing: list[WriteItem] = []
         unchanged: dict[StorageKey, bytes] = {}
-        for n, (item, (key, digest)) in enumerate(zip(items, keyed, strict=True)):
+        changed = self._changed
+        late_storages = self._late_storages
+        for n, item in enumerate(items):
+            one = keyed[n]
+            if one is None:  # late: found changed last time
+                changing.append(item)
+                continue
+            key, digest = one
             if key in taken:
                 if n in storages and digest is not None:
                     unchanged[storages[n]] = digest
@@ -217,34 +319,66 @@ class Session:
             elif key in known:
                 same = known[key] == digest
             else:
-                if frozen is None:
-                    frozen = _likely_frozen([i.index.fqn for i in items])
-                same = item.index.fqn in frozen
-            (stable if same else changing).append(item)
-            if same and n in storages and digest is not None:
-                unchanged[storages[n]] = digest
+                same = item.index.fqn in plan.likely_frozen()
+            if same:
+                stable.append(item)
+                if n in storages and digest is not None:
+                    unchanged[storages[n]] = digest
+            else:
+                changing.append(item)
+                if plan.tensor[n]:
+                    changed.add(plan.index[n])
+                    if n in storages:
+                        late_storages.add(storages[n])
         # for the next async staging: the storages worth hashing there to skip their copy (a
         # trained state has none, and so pays no hash at staging)
-        self.history.digests.hashed = unchanged
+        history.digests.hashed = unchanged
         layout.groups = [g for g in (stable, changing) if g]
-        self.history.add(placed)
+        history.add(placed)
+        if late:
+            pool = ThreadPoolExecutor(1, thread_name_prefix="trainckpt-hash")
+            self._late_hashed = pool.submit(
+                _hash_large, items, late, resolve, threads, keyed, self._prehash, storages, False
+            )
+            pool.shutdown(wait=False)
+        else:
+            self._prehash = None
         return layout
 
     def record(
         self, shards: Sequence[Shard], written: Sequence[WrittenShard], save_id: str
     ) -> None:
-        """Remember the files this rank wrote in this save. Called on: each rank, after its
+        """Remember the files this rank wrote in this save, with every item's hash (waiting
+        for those hashed while the files were written). Called on: each rank, after its
         shards are written."""
+        if self._late_hashed is not None:
+            self._late_hashed.result()
+            self._late_hashed = self._prehash = None
+        plan = self._plan
+        assert plan is not None
+        keyed, position = self._keyed, plan.position
         files = []
         for shard, done in zip(shards, written, strict=True):
-            items = tuple(
-                SavedItem(*self._keys[id(item)], offset, length)
-                for item, (offset, length) in zip(shard.items, done.spans, strict=True)
-            )
+            items = []
+            for item, (offset, length) in zip(shard.items, done.spans, strict=True):
+                one = keyed[position[id(item)]]
+                assert one is not None
+                items.append(SavedItem(one[0], one[1], offset, length))
             files.append(
-                SavedFile(shard.name, self.prefix + shard.name, save_id, done.entry, items)
+                SavedFile(shard.name, self.prefix + shard.name, save_id, done.entry, tuple(items))
             )
         self.history.add(files)
+        # the hint for the next save: the tensor items found changed in this one
+        changed, known, storages = self._changed, self._known, self._storages
+        for n in self._late:
+            one = keyed[n]
+            assert one is not None
+            if one[1] is None or known.get(one[0]) != one[1]:
+                changed.add(plan.index[n])
+                if n in storages:
+                    self._late_storages.add(storages[n])
+        self.history.changing = frozenset(changed)
+        self.history.late_storages = frozenset(self._late_storages)
 
     def _take_over(
         self, previous: _Committed, files: list[SavedFile], threads: int
@@ -311,41 +445,65 @@ def _check(storage: Storage, location: str, f: SavedFile) -> None:
 class Prehash:
     """Hashes the large plain CPU tensors of a state dict on background threads from the
     start of a save, so that the frozen base's hashing overlaps the rest of the save instead
-    of preceding its writes. Results are found by storage (`StorageKey`): an item that
-    resolves to the same storage holds the same bytes, since the state does not change while
-    it is saved and the storages are held here until then. A staged buffer whose copy the
-    stager skipped (`StorageDigests.vouched`: it holds the bytes hashed by the last save) is
-    not hashed again. The hashes of the storages found unchanged (or likely frozen) are then
+    of preceding its writes: first those the save may take over (`urgent`), then those the
+    last save found changed (`late`: the storages in `late`; they are written anyway, their
+    hash only recorded). Results are found by storage (`StorageKey`): an item that resolves
+    to the same storage holds the same bytes, since the state does not change while it is
+    saved and the storages are held here until then. A staged buffer whose copy the stager
+    skipped (`StorageDigests.vouched`: it holds the bytes hashed by the last save) is not
+    hashed again. The hashes of the storages found unchanged (or likely frozen) are then
     published (`StorageDigests.hashed`, by `Session.lay_out`) for the next staging. Hashes
     bytes, trusts no version counter (docs/incremental.md). Called on: the saving thread."""
 
-    def __init__(self, state: dict[str, Any], shared: StorageDigests) -> None:
+    def __init__(
+        self,
+        state: dict[str, Any],
+        shared: StorageDigests,
+        late: frozenset[StorageKey] = frozenset(),
+    ) -> None:
         tensors: dict[StorageKey, torch.Tensor] = {}
         for t in _plain_tensors(state):
-            key = storage_key(t)
-            if key[1] >= LARGE_ITEM and tensor_kind(t) is not None:
-                tensors.setdefault(key, t)
+            storage = t.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+            if key[1] >= LARGE_ITEM and key not in tensors and tensor_kind(t) is not None:
+                tensors[key] = t
         vouched = shared.vouched
-        self._shared = shared
         self._known = {k: vouched[k] for k in tensors if k in vouched}
         self._tensors = tensors
-        self._futures: list[Future[dict[StorageKey, bytes]]] = []
-        keys = sorted((k for k in tensors if k not in self._known), key=lambda k: k[0])
+        self._urgent: list[Future[dict[StorageKey, bytes]]] = []
+        self._later: list[Future[dict[StorageKey, bytes]]] = []
+        self._waiting_later: set[StorageKey] = set()
+        keys = sorted(k for k in tensors if k not in self._known)
         if not keys:
             return
+        urgent = [k for k in keys if k not in late]
+        later = [k for k in keys if k in late]
+        self._waiting_later = set(later)
         threads = min(PREHASH_THREADS, len(keys))
         pool = ThreadPoolExecutor(threads, thread_name_prefix="trainckpt-prehash")
-        for n in range(threads):  # in address order: memory read in sequence
-            self._futures.append(pool.submit(self._hash, keys[n::threads]))
+        for keys, futures in ((urgent, self._urgent), (later, self._later)):
+            for n in range(threads):  # in address order: memory read in sequence
+                if keys[n::threads]:
+                    futures.append(pool.submit(self._hash, keys[n::threads]))
         pool.shutdown(wait=False)
 
     def _hash(self, keys: list[StorageKey]) -> dict[StorageKey, bytes]:
         return {k: tensor_digest(self._tensors[k]) for k in keys}
 
+    def urgent(self, wanted: Sequence[StorageKey]) -> dict[StorageKey, bytes]:
+        """The hashes of the storages hashed first; every hash when one of `wanted` is among
+        the others (a hint that no longer holds)."""
+        done = dict(self._known)
+        for future in self._urgent:
+            done.update(future.result())
+        if any(k in self._waiting_later for k in wanted):
+            return self.digests()
+        return done
+
     def digests(self) -> dict[StorageKey, bytes]:
         """Every hash, once all are computed."""
         done = dict(self._known)
-        for future in self._futures:
+        for future in (*self._urgent, *self._later):
             done.update(future.result())
         return done
 
@@ -355,58 +513,72 @@ PREHASH_THREADS = 2
 interpreter lock: two cores hash at twice the speed of one)."""
 
 
-def _plain_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """The plain tensors of a (nested) state dict."""
-    if type(obj) is torch.Tensor:  # what `tensor_kind` accepts
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _plain_tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _plain_tensors(v)
+def _plain_tensors(state: Any) -> list[torch.Tensor]:
+    """The plain tensors of a (nested) state dict, by a loop over each container's values
+    (no call per entry: a fine-tune's state has thousands)."""
+    out: list[torch.Tensor] = []
+    todo = [state]
+    tensor = torch.Tensor
+    while todo:
+        obj = todo.pop()
+        values = obj.values() if isinstance(obj, dict) else obj
+        for v in values:
+            if type(v) is tensor:  # what `tensor_kind` accepts
+                out.append(v)
+            elif isinstance(v, (dict, list, tuple)):
+                todo.append(v)
+    if type(state) is tensor:
+        out.append(state)
+    return out
 
 
-def _keyed_all(
+def _hash_large(
     items: list[WriteItem],
+    which: list[int],
     resolve: Callable[[WriteItem], ItemData],
     threads: int,
-    prehash: Prehash | None = None,
-    storages: dict[int, StorageKey] | None = None,
-) -> list[tuple[Hashable, bytes | None]]:
-    """`_keyed` of every item, in order: small ones on the calling thread, then large tensors
-    with their hash from `prehash` (waiting for it; `storages` gets their storage), those it
-    did not hash on `threads` threads (xxh3 releases the interpreter lock)."""
-    keyed: list[tuple[Hashable, bytes | None] | None] = [None] * len(items)
-    large: list[int] = []
-    for k, item in enumerate(items):
-        if _nbytes(item) >= LARGE_ITEM:
-            large.append(k)
-        else:
-            keyed[k] = _keyed(item, resolve)
-    known = prehash.digests() if prehash is not None else {}
+    keyed: list[tuple[Hashable, bytes | None] | None],
+    prehash: Prehash | None,
+    storages: dict[int, StorageKey] | None,
+    urgent: bool,
+) -> None:
+    """Set `keyed[n]` (`_keyed`) for each item number in `which`: a tensor `prehash` hashed
+    takes that hash (waiting for the `urgent` ones, or all; `storages` gets its storage),
+    a small one is hashed here, the other large ones on `threads` threads (xxh3 releases the
+    interpreter lock)."""
+    if not which:
+        return
+    found: list[tuple[int, torch.Tensor, Hashable, StorageKey]] = []
     rest: list[int] = []
-    for k in large:
-        data = resolve(items[k])
+    for n in which:
+        item = items[n]
+        data = resolve(item)
         kind = tensor_kind(data) if isinstance(data, torch.Tensor) else None
-        if kind is not None:
-            assert isinstance(data, torch.Tensor)
-            where = storage_key(data)
+        if kind is None or _nbytes(item) < LARGE_ITEM:
+            keyed[n] = _keyed_data((item.index.fqn, item.index.offset), data)
+            continue
+        if prehash is None:
+            rest.append(n)
+            continue
+        assert isinstance(data, torch.Tensor)
+        found.append((n, data, _key(item, kind), storage_key(data)))
+    if found:
+        assert prehash is not None
+        wanted = [where for *_, where in found]
+        known = prehash.urgent(wanted) if urgent else prehash.digests()
+        for n, _, key, where in found:
             digest = known.get(where)
-            if digest is not None:
-                keyed[k] = (_key(items[k], kind), digest)
-                if storages is not None:
-                    storages[k] = where
+            if digest is None:
+                rest.append(n)
                 continue
-        rest.append(k)
+            keyed[n] = (key, digest)
+            if storages is not None:
+                storages[n] = where
     if rest:
         with ThreadPoolExecutor(max(1, threads), thread_name_prefix="trainckpt-hash") as pool:
-            done = pool.map(lambda k: _keyed(items[k], resolve), rest)
-            for k, one in zip(rest, done, strict=True):
-                keyed[k] = one
-    out = [k for k in keyed if k is not None]
-    assert len(out) == len(items)
-    return out
+            done = pool.map(lambda n: _keyed(items[n], resolve), rest)
+            for n, one in zip(rest, done, strict=True):
+                keyed[n] = one
 
 
 def _nbytes(item: WriteItem) -> int:
@@ -427,15 +599,20 @@ def _key(item: WriteItem, kind: Hashable) -> Hashable:
 def _keyed(
     item: WriteItem, resolve: Callable[[WriteItem], ItemData]
 ) -> tuple[Hashable, bytes | None]:
-    """(key, hash) of one item: DCP's index plus tensor kind ("bytes" for a byte item), and
-    the xxh3-128 of its bytes; a tensor `tensor_kind` refuses has no hash (never unchanged)."""
-    data = resolve(item)
+    """(key, hash) of one item (`_keyed_data`)."""
+    return _keyed_data((item.index.fqn, item.index.offset), resolve(item))
+
+
+def _keyed_data(where: tuple[str, Any], data: ItemData) -> tuple[Hashable, bytes | None]:
+    """(key, hash) of an item at `where` (DCP's fqn and offset) holding `data`: the key is
+    `where` plus the tensor kind ("bytes" for a byte item), the hash the xxh3-128 of its
+    bytes; a tensor `tensor_kind` refuses has no hash (never unchanged)."""
     if not isinstance(data, torch.Tensor):
-        return _key(item, "bytes"), bytes_digest(data)
+        return (*where, "bytes"), bytes_digest(data)
     kind = tensor_kind(data)
     if kind is None:
-        return _key(item, None), None
-    return _key(item, kind), tensor_digest(data)
+        return (*where, None), None
+    return (*where, kind), tensor_digest(data)
 
 
 def _likely_frozen(fqns: list[str]) -> set[str]:
