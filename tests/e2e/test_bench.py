@@ -80,7 +80,10 @@ def test_bench_scale_runs_and_prints_its_tables(tmp_path: Path) -> None:
     for label, by_size in contenders.items():
         assert by_size["400"]["entries"] == 400, label
         assert by_size["400"]["save_s"] > 0 and by_size["400"]["load_s"] > 0, label
+        assert by_size["400"]["first_save_s"] > 0, label  # timed apart from the medians
+        assert len(by_size["400"]["save_samples"]) == 1, label  # the first save not among them
         assert label in run.stdout
+    assert "first save s" in run.stdout
     ranks = scale["ranks"]["results"]
     assert set(ranks) == {"2", "4"}
     for row in ranks.values():

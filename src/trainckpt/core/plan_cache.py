@@ -20,6 +20,10 @@ plans of the others, and every rank receives a full final plan. Any other state,
 signature, or a save that failed anywhere (`forget`), means planning from scratch: a stale
 plan is never used.
 
+Planning from scratch makes DCP's plans and metadata, item for item, with less work per entry
+than DCP's helpers (`local_save_plan`, `global_save_plan`; `docs/scale.md`, "The first save
+plans with less work per entry").
+
 Called on: every rank, inside `dcp.save` (`core/dcp.py`).
 """
 
@@ -37,8 +41,17 @@ import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import _version as _dcp_version
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import _create_write_items
 from torch.distributed.tensor import DTensor
 
 from trainckpt.errors import CheckpointError
@@ -313,8 +326,19 @@ class ReusingSavePlanner(DefaultSavePlanner):
             found = _flatten(self._nested, mappings=True)
             assert found is not None and list(found.flat) == list(self.state_dict)
             self.mappings = found.mappings
-        self._new_local = super().create_local_plan()
+        if self.flatten_state_dict and not getattr(self, "_enable_plan_caching", False):
+            self._new_local = local_save_plan(self.state_dict, self.mappings)
+            self.plan = self._new_local
+        else:
+            self._new_local = super().create_local_plan()
         return self._new_local
+
+    def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        """DCP's global planning (`DefaultSavePlanner._create_global_plan`: deduplication,
+        metadata, merged mappings, validation) through `global_save_plan`."""
+        if not self.flatten_state_dict or _validate_global_plan is None:
+            return super()._create_global_plan(all_plans)  # type: ignore[no-any-return]
+        return global_save_plan(self._dedup_save_plans(all_plans))
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         tokens = {p.planner_data for p in all_plans if isinstance(p.planner_data, _Token)}
@@ -364,3 +388,162 @@ class ReusingSavePlanner(DefaultSavePlanner):
             if self._new_global is not None:
                 _keep(_global, generation, self._new_global)
         return super().finish_plan(new_plan)
+
+
+# -- planning a new save: DCP's plans, built with less work per entry -----------------------------
+
+try:  # DCP's check of a global plan (a private function: torch is pinned, `_validate` below)
+    from torch.distributed.checkpoint.default_planner import _validate_global_plan
+except ImportError:  # pragma: no cover - another torch: DCP's own global planning
+    _validate_global_plan = None  # type: ignore[assignment]
+
+_SAME_FIELDS = list(MetadataIndex("").__dict__.items()) == [("fqn", ""), ("index", None)] and list(
+    WriteItem(index=None, type=WriteItemType.BYTE_IO).__dict__.items()  # type: ignore[arg-type]
+) == [
+    ("index", None),
+    ("type", WriteItemType.BYTE_IO),
+    ("bytes_io_data", None),
+    ("tensor_data", None),
+]
+"""Whether DCP's constructors set exactly the attributes `local_save_plan` sets itself."""
+
+_BYTES = BytesStorageMetadata()
+"""The one metadata object of every byte item (it has no fields; DCP makes one per item)."""
+
+
+def local_save_plan(state: dict[str, Any], mappings: dict[str, Any]) -> SavePlan:
+    """DCP's local save plan (`create_default_local_save_plan`, planner data `mappings`) for
+    the flat `state`, the same items in the same order, made with less work per entry: a
+    plain tensor's item is built here (its index hint already the one the global plan gives
+    a tensor of one chunk, 0), its properties and zero offsets shared with every tensor of the
+    same kind; a plain value's item directly. Anything else (DTensors, ShardedTensors, tensor
+    subclasses) through DCP's own `_create_write_items`. Called on: every rank, when its
+    plan is not reused."""
+    items: list[WriteItem] = []
+    append = items.append
+    props: dict[tuple[Any, ...], TensorProperties] = {}
+    zeros: dict[int, torch.Size] = {}
+    tensor_item = WriteItemType.TENSOR
+    contiguous = torch.contiguous_format
+    # A byte item and its index get the attributes their constructors set, in the same order,
+    # set directly (`_SAME_FIELDS`): without a frozen dataclass's `__init__` (a call per field)
+    # for each of the tens of thousands of values, and without an attribute dict per object
+    # (one more object for the collector to walk, for as long as the plan is kept).
+    new, put = object.__new__, object.__setattr__
+    byte_io = WriteItemType.BYTE_IO
+    direct = _SAME_FIELDS
+    for fqn, obj in state.items():
+        kind = type(obj)
+        if kind in _LEAVES:
+            if direct:
+                index = new(MetadataIndex)
+                put(index, "fqn", fqn)
+                put(index, "index", None)
+                item = new(WriteItem)
+                put(item, "index", index)
+                put(item, "type", byte_io)
+                put(item, "bytes_io_data", None)
+                put(item, "tensor_data", None)
+            else:  # pragma: no cover - another torch
+                item = WriteItem(index=MetadataIndex(fqn), type=byte_io)
+            append(item)
+        elif kind in _PLAIN:
+            size = obj.size()
+            offsets = zeros.get(len(size))
+            if offsets is None:
+                offsets = zeros[len(size)] = torch.Size([0] * len(size))
+            key = (obj.dtype, obj.layout, obj.requires_grad, obj.is_pinned())
+            properties = props.get(key)
+            if properties is None:
+                properties = props[key] = TensorProperties(
+                    dtype=key[0],
+                    layout=key[1],
+                    requires_grad=key[2],
+                    memory_format=contiguous,
+                    pin_memory=key[3],
+                )
+            append(
+                WriteItem(
+                    index=MetadataIndex(fqn, offsets, 0),
+                    type=tensor_item,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=offsets, sizes=size),
+                        properties=properties,
+                        size=size,
+                    ),
+                )
+            )
+        elif kind is DTensor or isinstance(obj, DTensor):
+            if obj.device_mesh.get_coordinate() is not None:  # this rank holds a part
+                items += _create_write_items(fqn, obj)
+        else:
+            items += _create_write_items(fqn, obj)
+    return SavePlan(items, planner_data=mappings)
+
+
+def global_save_plan(plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+    """DCP's global save plan and metadata for the (deduplicated) local `plans`
+    (`create_default_global_save_plan`, then the ranks' mappings merged and the plan
+    validated, as `DefaultSavePlanner._create_global_plan`), with less work per item: an item
+    whose index hint is already right is kept (DCP copies every tensor item twice), every
+    byte entry shares one metadata object, and only the tensors stored in more than one
+    chunk, or in one chunk that is not the whole tensor, go through DCP's validation (a whole
+    tensor in one chunk is always valid). Raises DCP's errors. Called on: the coordinator."""
+    md: dict[str, Any] = {}
+    new_plans = []
+    byte_io, shard = WriteItemType.BYTE_IO, WriteItemType.SHARD
+    for plan in plans:
+        new_items: list[WriteItem] = []
+        append = new_items.append
+        for item in plan.items:
+            index = item.index
+            fqn = index.fqn
+            if item.type != shard and fqn in md:
+                raise AssertionError("item.index.fqn not in md")
+            if item.type == byte_io:
+                md[fqn] = _BYTES
+                append(item)
+                continue
+            data = item.tensor_data
+            if data is None:
+                raise AssertionError("item.tensor_data is not None")
+            entry = md.get(fqn)
+            if entry is None:
+                entry = md[fqn] = TensorStorageMetadata(
+                    properties=data.properties, size=data.size, chunks=[]
+                )
+            hint = len(entry.chunks)
+            if index.index != hint:
+                item = dataclasses.replace(item, index=dataclasses.replace(index, index=hint))
+            append(item)
+            if data.chunk is None:
+                raise AssertionError(f"Cannot create MD for tensor without bounds. FQN: {fqn}")
+            entry.chunks.append(data.chunk)
+        new_plans.append(dataclasses.replace(plan, items=new_items))
+    merged: dict[str, Any] = {}
+    for p in reversed(new_plans):  # as DCP's ChainMap: the first plan's mapping wins
+        merged.update(p.planner_data)
+    metadata = Metadata(md, planner_data=merged)
+    _validate(new_plans, md)
+    return new_plans, metadata
+
+
+def _validate(plans: list[SavePlan], md: dict[str, Any]) -> None:
+    """DCP's validation of a global plan, for the entries whose chunks need it."""
+    check = {
+        fqn: entry for fqn, entry in md.items() if entry is not _BYTES and not _whole_chunk(entry)
+    }
+    errors = _validate_global_plan(plans, Metadata(check)) if check else []
+    if errors:
+        summary = "; ".join(errors)
+        if len(summary) > 500:
+            summary = summary[:500] + "... (truncated)"
+        raise ValueError(f"Failed to validate global plan: {summary}")
+
+
+def _whole_chunk(entry: Any) -> bool:
+    """Whether a tensor's metadata holds it in one chunk: the whole tensor, at offset 0."""
+    if type(entry) is not TensorStorageMetadata or len(entry.chunks) != 1:
+        return False
+    chunk = entry.chunks[0]
+    return bool(chunk.sizes == entry.size and not any(chunk.offsets))

@@ -21,7 +21,9 @@ length, a moved offset, another file, another rank count (a new global plan, so 
 object) each mean a fresh encode. Both paths give the same bytes for the same metadata.
 Comparing every row costs one tuple per item; when the writer hands out the very result lists
 of the kept layout (it does when every item landed where it did: `shard_writer._Files`), the
-layout is known equal by identity and no row is built.
+layout is known equal by identity and no row is built. The rows of a kept layout are made only
+when a later save of the same entries first compares with it: never on a save that planned anew
+(its entries object is new), where they were a tenth of the metadata's encoding.
 
 Called on: the coordinator (rank 0), at the end of a save (`shard_writer.RecordingWriter`).
 """
@@ -65,17 +67,25 @@ class Encoded:
     native: bytes | None
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Entry:
     entries: Any  # the `state_dict_metadata` object (held: compared by identity)
     planner_data: Any  # likewise
     version: str | None
     results: tuple[list[WriteResult], ...]  # the result lists (held: compared by identity)
     lengths: tuple[int, ...]  # and their lengths then
-    layout: tuple[tuple[Any, ...], ...]
     storage_data: dict[MetadataIndex, _StorageInfo]
     pickled: tuple[bytes, bytes] | None  # around the storage meta; None: not splittable
     native: native_metadata.Parts | None
+    rows: tuple[tuple[WriteResult, ...], ...]  # the results as they were (results are frozen)
+    _layout: tuple[tuple[Any, ...], ...] | None = None
+
+    def layout(self) -> tuple[tuple[Any, ...], ...] | None:
+        """`_layout` of the results as they were kept, made when a later save first compares
+        with it (a save that finds its very result lists again never does)."""
+        if self._layout is None:
+            self._layout = _layout([list(r) for r in self.rows])
+        return self._layout
 
 
 _lock = threading.Lock()
@@ -96,9 +106,8 @@ def encode(
     earlier save had the same entries object, planner data, version and layout."""
     known = {f.name for f in dataclasses.fields(metadata)} == set(_FIELDS)
     entry = _find_same(metadata, results) if known else None
-    layout = None if entry is not None else _layout(results)
-    if entry is None and known and layout is not None:
-        entry = _find(metadata, layout)
+    if entry is None and known:
+        entry = _find(metadata, results)
     if entry is not None:
         metadata.storage_data = entry.storage_data
         metadata.storage_meta = meta
@@ -115,7 +124,7 @@ def encode(
     metadata.storage_meta = meta
     parts = _pickle_parts(metadata)
     native_parts = native_metadata.encode_parts(metadata)
-    if parts is not None and known and layout is not None:
+    if parts is not None and known and _plain(results):
         _keep(
             _Entry(
                 metadata.state_dict_metadata,
@@ -123,10 +132,10 @@ def encode(
                 metadata.version,
                 tuple(results),
                 tuple(map(len, results)),
-                layout,
                 storage,
                 parts,
                 native_parts,
+                tuple(map(tuple, results)),
             )
         )
     pickled = _assemble(parts, meta) if parts is not None else None
@@ -151,10 +160,26 @@ def _layout(results: list[list[WriteResult]]) -> tuple[tuple[Any, ...], ...] | N
     return tuple(rows)
 
 
-def _find(metadata: Metadata, layout: tuple[tuple[Any, ...], ...]) -> _Entry | None:
+def _plain(results: list[list[WriteResult]]) -> bool:
+    """Whether every result's index and place are of the types `_layout` knows."""
+    return {type(r.index) for rs in results for r in rs} <= {MetadataIndex} and {
+        type(r.storage_data) for rs in results for r in rs
+    } <= {_StorageInfo}
+
+
+def _find(metadata: Metadata, results: list[list[WriteResult]]) -> _Entry | None:
+    """The kept layout of the same entries whose every result is where one of `results` is
+    (the layouts are made only when there is such an entry: never on a save that planned)."""
     with _lock:
-        for entry in _kept:
-            if _same_entries(entry, metadata) and entry.layout == layout:
+        candidates = [e for e in _kept if _same_entries(e, metadata)]
+    if not candidates:
+        return None
+    layout = _layout(results)
+    if layout is None:
+        return None
+    with _lock:
+        for entry in candidates:
+            if entry.layout() == layout:
                 return entry
     return None
 
