@@ -505,6 +505,12 @@ def main(argv: list[str] | None = None) -> int:
         "--scale-tensors", type=int, default=16, help="--scale: tensors sharded over every rank"
     )
     p.add_argument(
+        "--scale-load",
+        default="1000x2048",
+        help="--scale: TENSORSxRANKS of the simulated load of a sharded checkpoint's metadata "
+        "('0': skip it)",
+    )
+    p.add_argument(
         "--scale-training-entries",
         type=int,
         default=16000,
@@ -537,6 +543,9 @@ def main(argv: list[str] | None = None) -> int:
                 root,
                 args.scale_training_entries,
                 args.scale_contenders.split(","),
+                None
+                if args.scale_load == "0"
+                else tuple(int(x) for x in args.scale_load.split("x", 1)),  # type: ignore[arg-type]
             )
             report["notes"] += report["scale"]["entries"]["notes"]
             report["notes"] += report["scale"].get("training", {}).get("notes", [])

@@ -19,6 +19,11 @@ Three measurements, each a table and a `scale` section of `--json`:
    `.metadata` through the safe unpickler against `pickle` itself, and trainckpt's own
    `.metadata.trainckpt`). Reported: seconds and peak
    traced memory per function.
+   A **simulated load** (`--scale-load`, default 1,000 tensors x 2,048 ranks: 2 million
+   chunks): one rank decodes the `.metadata.trainckpt` of such a checkpoint, plans the load
+   of its row shard of every tensor with trainckpt's load planner and looks up each read
+   item's stored piece; on as many ranks and on three quarters as many. Reported: seconds
+   (median of at least 5), traced peak and resident growth.
 3. **Training beside a background save** of the 16,000-entry state (`--scale-training-entries`):
    the training loop of `bench_train.py` (a small transformer on one thread) while trainckpt's
    `save_async` writes, with writer threads, with a writer process, and with a writer process
@@ -467,6 +472,206 @@ def ranks_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+LOAD_SHAPE = (1000, 2048)
+"""The simulated load of `--scale-load`: tensors, and ranks each holds a row shard of (2
+million chunks: about a Llama-70B-like state of ~1,000 tensors over 2,048 ranks)."""
+
+
+class _SimShard(torch.Tensor):
+    """What DCP's load planner sees of a rank's DTensor shard of a tensor: the tensor's global
+    size and the one chunk this rank holds (`__create_chunk_list__`, DTensor's protocol). A
+    tensor (empty), as DCP's state walk keeps only tensors and plain values."""
+
+    _global: torch.Size
+    _chunk: Any
+
+    @staticmethod
+    def make(size: torch.Size, chunk: Any) -> _SimShard:
+        shard = torch.Tensor._make_subclass(_SimShard, torch.empty(0))
+        shard._global, shard._chunk = size, chunk
+        return shard  # type: ignore[no-any-return]
+
+    def size(self, dim: Any = None) -> Any:  # type: ignore[override]
+        return self._global if dim is None else self._global[dim]
+
+    def __create_chunk_list__(self) -> list[Any]:
+        return [self._chunk]
+
+
+_SIM_ROWS = 8192
+"""Rows (and columns) of every simulated sharded tensor: row shards of `_SIM_ROWS // ranks`."""
+
+
+def sim_sharded_record(tensors: int, ranks: int) -> bytes:
+    """trainckpt's own metadata record (`native_metadata.encode`) of a DCP `Metadata` of
+    `tensors` float32 tensors of `_SIM_ROWS` x `_SIM_ROWS`, each saved by `ranks` ranks as
+    row shards (rank r's shards in its file `__r_0.distcp`). Equal sizes share one object."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from trainckpt.format import native_metadata
+
+    rows = _SIM_ROWS // ranks
+    props = TensorProperties(dtype=torch.float32)
+    size = torch.Size([rows * ranks, _SIM_ROWS])
+    sizes = torch.Size([rows, _SIM_ROWS])
+    offsets = [torch.Size([r * rows, 0]) for r in range(ranks)]
+    chunks = [ChunkStorageMetadata(o, sizes) for o in offsets]
+    nbytes = rows * _SIM_ROWS * 4
+    files = [f"__{r}_0.distcp" for r in range(ranks)]
+    state: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    for t in range(tensors):
+        fqn = f"layers.{t}.weight"
+        state[fqn] = TensorStorageMetadata(props, size, chunks)
+        for r in range(ranks):
+            storage[MetadataIndex(fqn, offsets[r], r)] = _StorageInfo(files[r], t * nbytes, nbytes)
+    record = native_metadata.encode(Metadata(state_dict_metadata=state, storage_data=storage))
+    assert record is not None
+    return record
+
+
+def _sim_rank_load(record: bytes, tensors: int, saved_ranks: int, ranks: int, rank: int) -> int:
+    """What `rank` of `ranks` does with the metadata before reading a byte of a shard, for a
+    checkpoint saved by `saved_ranks` (`sim_sharded_record`): decode the record (as
+    `dcp_metadata` does), plan the load of its row shard of every tensor (`core/dcp.py`'s
+    load planner, as `dcp.load` calls it) and look up each read item's stored piece (as the
+    reader does). Returns the read items' count."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    from trainckpt.core.dcp import _SafeLoadPlanner
+    from trainckpt.format import native_metadata
+
+    with paused_gc():  # a load runs under one pause from reading its metadata on
+        md = native_metadata.decode(record, "sim/.metadata.trainckpt")
+        size = torch.Size([_SIM_ROWS // saved_ranks * saved_ranks, _SIM_ROWS])
+        lo, hi = size[0] * rank // ranks, size[0] * (rank + 1) // ranks
+        chunk = ChunkStorageMetadata(torch.Size([lo, 0]), torch.Size([hi - lo, _SIM_ROWS]))
+        state = {f"layers.{t}.weight": _SimShard.make(size, chunk) for t in range(tensors)}
+        planner = _SafeLoadPlanner("sim", direct=True)
+        planner.set_up_planner(state, md, False)
+        plan = planner.create_local_plan()
+        storage = md.storage_data
+        places = [storage[item.storage_index] for item in plan.items]
+        return len(places)
+
+
+def _rss_kb(field: str) -> int | None:
+    """`VmRSS` or `VmHWM` (peak) of this process in KiB, None where /proc is not there."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _peak_rss_growth(fn: Callable[[], Any]) -> float | None:
+    """How far the process's resident memory rose above what it was during one call of
+    `fn`, in MB (counts what tracemalloc misses: tensors' memory); None where Linux's peak
+    cannot be reset."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # what was freed before leaves the RSS
+    except (OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets the peak (VmHWM) to the current size
+    except OSError:
+        return None
+    before = _rss_kb("VmRSS")
+    fn()
+    peak = _rss_kb("VmHWM")
+    return None if before is None or peak is None else (peak - before) / 1e3
+
+
+def _measure_median(fn: Callable[[], Any], repeats: int) -> dict[str, Any]:
+    """Median, min and max seconds of `repeats` calls, then the peak memory one traced call
+    allocated (Python objects), and how far one call raised the resident memory (any)."""
+    times = []
+    for _ in range(repeats):
+        gc.collect()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        fn()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return {
+        "s": statistics.median(times),
+        "min_s": min(times),
+        "max_s": max(times),
+        "peak_mb": peak / 1e6,
+        "rss_growth_mb": _peak_rss_growth(fn),
+    }
+
+
+def bench_rank_load(tensors: int, ranks: int, repeats: int) -> dict[str, Any]:
+    """A rank's metadata work on loading a checkpoint of `tensors` tensors sharded over
+    `ranks` ranks (`_sim_rank_load`), on as many ranks and on three quarters as many (each
+    rank's shard then overlaps two saved ones), and the decode alone."""
+    from trainckpt.format import native_metadata
+
+    print(f"  simulated load: {tensors} tensors x {ranks} ranks: encoding", flush=True)
+    record = sim_sharded_record(tensors, ranks)
+    out: dict[str, Any] = {
+        "tensors": tensors,
+        "ranks": ranks,
+        "chunks": tensors * ranks,
+        "native_bytes": len(record),
+    }
+    out["decode"] = _measure_median(
+        lambda: native_metadata.decode(record, "sim/.metadata.trainckpt"), repeats
+    )
+    rank = ranks // 2 + 1
+    out["items"] = _sim_rank_load(record, tensors, ranks, ranks, rank)
+    out["decode + load plan + lookups"] = _measure_median(
+        lambda: _sim_rank_load(record, tensors, ranks, ranks, rank), repeats
+    )
+    fewer = ranks * 3 // 4
+    out["items_resharded"] = _sim_rank_load(record, tensors, ranks, fewer, fewer // 2 + 1)
+    out[f"the same, loaded on {fewer} ranks"] = _measure_median(
+        lambda: _sim_rank_load(record, tensors, ranks, fewer, fewer // 2 + 1), repeats
+    )
+    return out
+
+
+def rank_load_table(report: dict[str, Any]) -> str:
+    lines = [
+        f"simulated load: {report['tensors']} tensors x {report['ranks']} ranks = "
+        f"{report['chunks']:,} chunks; .metadata.trainckpt {report['native_bytes'] / 1e6:.0f} MB"
+        " (one rank's work, the file's bytes already read; seconds: median (min-max); "
+        "peak MB: traced Python objects / resident memory growth)"
+    ]
+    for k, v in report.items():
+        if isinstance(v, dict):
+            rss = v.get("rss_growth_mb")
+            lines.append(
+                f"  {k:<40}{v['s']:>7.3f} s ({v['min_s']:.3f}-{v['max_s']:.3f})"
+                f"  {v['peak_mb']:>8.1f} / {'-' if rss is None else f'{rss:.1f}'} MB"
+            )
+    lines.append(
+        f"  read items planned: {report['items']:,} (same ranks), "
+        f"{report['items_resharded']:,} (resharded)"
+    )
+    return "\n".join(lines)
+
+
 TRAINING_MODES = ("copy-floor", "async", "process", "process-overlap")
 """The training part's contenders (`bench_train.py`'s keys): the copy floor, and trainckpt's
 background save with writer threads, with a writer process, and with both overlapping."""
@@ -515,9 +720,11 @@ def bench_scale(
     root: Path,
     training_entries: int = 0,
     wanted: Collection[str] = SCALE_CONTENDERS,
+    load_shape: tuple[int, int] | None = LOAD_SHAPE,
 ) -> dict[str, Any]:
     """The parts, printed and returned for `--json`; the training part only with
-    `training_entries`; the entries part with the contenders `wanted`."""
+    `training_entries`; the entries part with the contenders `wanted`; the simulated load
+    of `load_shape` (tensors, ranks) unless None."""
     entries = bench_entries(sizes, repeats, root, wanted)
     print()
     print(entries_table(entries))
@@ -528,6 +735,11 @@ def bench_scale(
     print()
     print(ranks_table(ranks))
     report["ranks"] = ranks
+    if load_shape is not None:
+        load = bench_rank_load(*load_shape, repeats=max(repeats, 5))
+        print()
+        print(rank_load_table(load))
+        report["rank_load"] = load
     return report
 
 
@@ -579,6 +791,16 @@ def scale_targets(report: dict[str, Any]) -> list[str]:
             f"({TRAIN_LABELS[best]}): training lost {lost:.2f}s (want <= 1.0) -> "
             f"{'met' if lost <= 1.0 else 'NOT met'}; step during / before {step:.2f} "
             f"(want <= 1.3) -> {'met' if step <= 1.3 else 'NOT met'}"
+        )
+    load = report.get("rank_load")
+    if load is not None:
+        work = load["decode + load plan + lookups"]
+        mb = load["native_bytes"] / 1e6 + work["peak_mb"] + (work["rss_growth_mb"] or 0)
+        ok = work["s"] <= 1 and mb <= 1000
+        out.append(
+            f"target a rank's metadata work for {load['chunks']:,} chunks: {work['s']:.2f} s, "
+            f"~{mb:.0f} MB with the file's bytes (want <= 1 s, <= 1 GB) -> "
+            f"{'met' if ok else 'NOT met'}"
         )
     rows = report["ranks"]["results"]
     if rows:

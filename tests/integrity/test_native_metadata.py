@@ -317,3 +317,74 @@ def test_metadata_it_cannot_describe_is_left_to_dcp_metadata() -> None:
     md = _synthetic(tensors=1, chunks=2)
     md.storage_data.pop(key)  # a chunk without its stored piece
     assert native_metadata.encode(md) is None
+
+
+# -- tensors of many chunks: kept in the table ---------------------------------------------------
+
+MANY = native_metadata.LAZY_CHUNKS + 1
+
+
+def _many_chunks(file_of_last: int = 0, negative: bool = False) -> bytes:
+    """A tensor of `MANY` row chunks (kept in the table), its last chunk in file
+    `file_of_last`, the last length negative with `negative`."""
+    ints: list[int] = []
+    for c in range(MANY):
+        last = c == MANY - 1
+        ints += [c, 0, 1, 4, c + 1, file_of_last if last else 0, c * 16]
+        ints.append(-16 if negative and last else 16)
+    header = _header(tensors=[["w", "float32", False, False, [MANY, 4], MANY]], ints=len(ints))
+    return _record(header, _ints(*ints))
+
+
+def test_a_tensor_of_many_chunks_is_read_from_the_table() -> None:
+    md = native_metadata.decode(_many_chunks(), "ok")
+    chunks = md.state_dict_metadata["w"].chunks
+    assert isinstance(chunks, native_metadata.LazyChunks) and len(chunks) == MANY
+    assert chunks[3] == ChunkStorageMetadata(torch.Size([3, 0]), torch.Size([1, 4]))
+    assert chunks[-1].offsets == torch.Size([MANY - 1, 0])
+    with pytest.raises(IndexError):
+        chunks[MANY]
+    assert list(chunks)[5] == chunks[5] and chunks == list(chunks)
+    assert pickle.loads(pickle.dumps(chunks)) == list(chunks)  # a plain list
+    storage = md.storage_data
+    assert storage[MetadataIndex("w", [7, 0], 7)] == _StorageInfo("__0_0.distcp", 112, 16)
+    # a wrong or missing index hint is only a hint: the piece is found by its offsets
+    assert storage[MetadataIndex("w", [7, 0], 3)] == _StorageInfo("__0_0.distcp", 112, 16)
+    assert storage[MetadataIndex("w", [7, 0])] == _StorageInfo("__0_0.distcp", 112, 16)
+    for missing in (MetadataIndex("w", [7, 1], 7), MetadataIndex("w"), MetadataIndex("v", [0])):
+        assert missing not in storage
+        with pytest.raises(KeyError):
+            storage[missing]
+    assert len(storage) == MANY and len(dict(storage.items())) == MANY
+    assert pickle.loads(pickle.dumps(md)) == md  # pickles as DCP's own types
+
+
+@pytest.mark.parametrize(
+    ("data", "why"),
+    [
+        (_many_chunks(file_of_last=1), "not listed"),
+        (_many_chunks(negative=True), "negative"),
+    ],
+    ids=["a file not listed", "a negative length"],
+)
+def test_a_crafted_tensor_of_many_chunks_is_refused(data: bytes, why: str, tmp_path: Path) -> None:
+    with pytest.raises(CorruptCheckpointError, match=f"'{tmp_path}/rec'.*{why}"):
+        native_metadata.decode(data, f"{tmp_path}/rec")
+
+
+def test_a_large_record_costs_memory_only_for_what_is_read() -> None:
+    """Tensors of many chunks are neither copied nor made into objects until used: a rank
+    that reads a few chunks of each pays for those."""
+    md = _synthetic(tensors=20, chunks=2_000)  # 40,000 chunks, 2.5 MB
+    data = native_metadata.encode(md)
+    assert data is not None
+    decoded: list[Metadata] = []
+
+    def decode_and_look_up() -> None:
+        d = native_metadata.decode(data, "big")
+        decoded.append(d)
+        for t in range(20):
+            d.storage_data[MetadataIndex(f"layers.{t}.weight", [8 * 1_000, 0], 1_000)]
+
+    assert _peak(decode_and_look_up) <= len(data) // 10
+    assert decoded[0] == md and decoded[0].storage_data == md.storage_data

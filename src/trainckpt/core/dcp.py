@@ -45,11 +45,13 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
+from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
+from torch.distributed.tensor import DTensor
 
 from trainckpt.core import dist, plan_cache
 from trainckpt.core.gc_pause import paused_gc
 from trainckpt.errors import CheckpointError, StorageError
-from trainckpt.format import plain_values, shard_checksums, shard_writer
+from trainckpt.format import native_metadata, plain_values, shard_checksums, shard_writer
 from trainckpt.format.safe_unpickle import load_torch_plain
 from trainckpt.format.shard_reader import ParallelReader
 from trainckpt.format.shard_writer import RecordingWriter, ShardWriter
@@ -374,8 +376,7 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
             if item is not None:
                 append(item)
             else:
-                one = create_default_local_load_plan({fqn: obj}, self.metadata, strict)
-                items.extend(one.items)
+                items.extend(_resharded_read_items(fqn, md, obj, self.metadata, strict))
         return LoadPlan(items)
 
     def direct_read_item(self, fqn: str, target: torch.Tensor | None) -> ReadItem:
@@ -535,6 +536,26 @@ def _whole_read_item(fqn: str, saved: Any, obj: Any) -> ReadItem | None:
     zeros = saved.chunks[0].offsets
     index = MetadataIndex(fqn, zeros, 0)
     return ReadItem(LoadItemType.TENSOR, index, zeros, index, zeros, obj.size())
+
+
+def _resharded_read_items(
+    fqn: str, saved: Any, obj: Any, metadata: Metadata, strict: bool
+) -> list[ReadItem]:
+    """DCP's read items for one entry that needs resharding (`create_default_local_load_plan`),
+    found in trainckpt's own metadata's chunk table where it keeps the tensor's chunks there
+    (`native_metadata.read_items`: a rank's shard of a tensor saved by thousands of ranks
+    overlaps a few of their chunks); through DCP for anything else, and for every case DCP
+    refuses (a size that differs, an object that is no tensor), so that it raises its errors."""
+    if (
+        isinstance(saved, TensorStorageMetadata)
+        and isinstance(obj, torch.Tensor)
+        and saved.size == obj.size()
+        and not (isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None)
+    ):
+        found = native_metadata.read_items(fqn, saved, _create_chunk_list(obj))
+        if found is not None:
+            return found
+    return create_default_local_load_plan({fqn: obj}, metadata, strict).items
 
 
 def _whole_tensor(saved: Any, obj: Any) -> bool:

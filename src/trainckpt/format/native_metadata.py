@@ -23,9 +23,13 @@ refused with `CorruptCheckpointError` naming it. Memory stays proportional to th
 `records.dcp_metadata_bound` bounds): the header's containers are counted before it is
 parsed, and every count is checked against the bytes that carry it.
 
-`decode` returns a `NativeMetadata`: DCP's `Metadata`, with the storage keys (one object per
-stored piece) built only when `storage_data` is first read, and each single-piece entry's stored
-piece by name (`pieces`), which is all a load of whole entries needs (`core/dcp.py`).
+`decode` returns a `NativeMetadata`: DCP's `Metadata`, whose `storage_data` is a mapping that
+finds each stored piece in the chunk table (`_Storage`: no key object per piece), and each
+single-piece entry's stored piece by name (`pieces`), which is all a load of whole entries needs
+(`core/dcp.py`). A tensor of more than `LAZY_CHUNKS` chunks (one sharded over many ranks) keeps
+them in the table, a view of the file's bytes (`LazyChunks`): a rank's load plan makes objects
+only for the chunks that overlap its own (`read_items`), so the metadata of 2 million chunks is
+read in a fraction of a second and a few MB beyond the file (`docs/scale.md`).
 
 Called on: rank 0 at the end of a save (`encode`); any rank that plans a load (`decode`).
 """
@@ -36,8 +40,9 @@ import itertools
 import json
 import sys
 import uuid
+import warnings
 from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from pathlib import Path, PurePosixPath
@@ -53,6 +58,13 @@ from torch.distributed.checkpoint.metadata import (
     StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner_helpers import (
+    _create_read_item_for_tensor as _read_item_for_tensor,
+)
+from torch.distributed.checkpoint.resharding import (
+    _shards_get_overlap_region_wrt_saved_tensor as _overlap_region,
 )
 
 from trainckpt.errors import CorruptCheckpointError
@@ -236,8 +248,8 @@ def _encode_planner_data(data: Any) -> list[list[Any]] | None:
 
 
 class NativeMetadata(Metadata):
-    """The `Metadata` decoded from a record, with its `storage_data` (a key object and a dict
-    entry per stored piece, 60,000 for a 16,000-entry state) built on first use, and `pieces`:
+    """The `Metadata` decoded from a record, with its `storage_data` (a mapping answered from
+    the chunk table, `_Storage`) made on first use, and `pieces`:
     the stored piece of each entry that has exactly one (byte values, tensors of one chunk) by
     name, all that a load of whole entries needs (`shard_reader`). Its `planner_data` (checked
     when decoded) is likewise built on first use: DCP's load of a whole state never reads it.
@@ -253,7 +265,7 @@ class NativeMetadata(Metadata):
         version: str | None = None,
         *,
         pieces: dict[str, _StorageInfo] | None = None,
-        build: Callable[[], dict[MetadataIndex, _StorageInfo]] | None = None,
+        build: Callable[[], Mapping[MetadataIndex, _StorageInfo]] | None = None,
         build_planner: Callable[[], dict[str, tuple[str | int, ...]]] | None = None,
     ) -> None:
         self._lazy: list[Any] = [storage_data, build]  # shared by copies
@@ -380,24 +392,22 @@ class _Decoder:
             type(count) is int and count * 8 == table_bytes,
             f"'ints' ({count!r}) does not match the {table_bytes} bytes of its chunk table",
         )
-        table = array("q")
-        table.frombytes(data[_PREFIX + head_len :])
-        if sys.byteorder == "big":
-            table.byteswap()
-        self.check(not table or min(table) >= 0, "its chunk table holds a negative number")
+        table = _int64s(data, _PREFIX + head_len, count)
+        self.check(
+            _least(data, _PREFIX + head_len, table) >= 0, "its chunk table holds a negative number"
+        )
         files = self.strings(h["files"], "files")
         entries: dict[str, Any] = {}
         storage: dict[MetadataIndex, _StorageInfo] = {}
-        ints = table.tolist()
         # The columns are checked at once (`_fast_*`); a record out of place is then found,
         # and named, by the record-by-record checks, which also build what the fast ones do.
-        # The fast ones leave the storage keys to be built on first use (`NativeMetadata`).
+        # The fast ones leave the storage keys to be looked up in the table (`_Storage`).
         pieces: dict[str, _StorageInfo] | None = {}
-        later: list[Callable[[], Iterable[tuple[MetadataIndex, _StorageInfo]]]] = []
-        if not _fast_tensors(h["tensors"], ints, files, entries, pieces, later):
-            self.tensors(h["tensors"], ints, files, entries, storage)
+        parts: list[_StoragePart] = []
+        if not _fast_tensors(h["tensors"], table, files, entries, pieces, parts):
+            self.tensors(h["tensors"], table.tolist(), files, entries, storage)
             pieces = None
-        if not _fast_byte_values(h["bytes"], files, entries, pieces, later):
+        if not _fast_byte_values(h["bytes"], files, entries, pieces, parts):
             self.byte_values(h["bytes"], files, entries, storage)
             pieces = None
         build_planner = _fast_planner_data(h["planner_data"])
@@ -406,19 +416,12 @@ class _Decoder:
             planner_data = self.planner_data(h["planner_data"])
         storage_meta = self.storage_meta(h["storage_meta"])
         version = self.optional_str(h["dcp_version"], "dcp_version")
-        if pieces is None:  # built record by record: already whole
-            for build in later:
-                storage.update(build())
+        if pieces is None:  # built record by record: made whole
+            for part in parts:
+                storage.update(part.items())
             return NativeMetadata(
                 entries, planner_data, storage, storage_meta, version, build_planner=build_planner
             )
-
-        def build_storage() -> dict[MetadataIndex, _StorageInfo]:
-            built: dict[MetadataIndex, _StorageInfo] = {}
-            for build in later:
-                built.update(build())
-            return built
-
         return NativeMetadata(
             entries,
             planner_data,
@@ -426,7 +429,7 @@ class _Decoder:
             storage_meta,
             version,
             pieces=pieces,
-            build=build_storage,
+            build=lambda: _Storage(parts),
             build_planner=build_planner,
         )
 
@@ -602,17 +605,350 @@ def _new_names(names: tuple[Any, ...], entries: dict[str, Any]) -> bool:
     )
 
 
+def _int64s(data: bytes, start: int, count: int) -> torch.Tensor:
+    """The `count` little-endian int64s of `data` from byte `start`, as a read-only view of
+    `data` (no copy), not a Python list: a table of 2 million chunks is 16 million numbers."""
+    if sys.byteorder == "big":  # pragma: no cover - no big-endian machine runs this
+        swapped = array("q", data[start : start + 8 * count])
+        swapped.byteswap()
+        return torch.tensor(swapped.tolist(), dtype=torch.int64)
+    if not count:
+        return torch.zeros(0, dtype=torch.int64)
+    with warnings.catch_warnings():  # it is never written to: `data` is immutable bytes
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(data, dtype=torch.int64, count=count, offset=start)
+
+
+def _least(data: bytes, start: int, table: torch.Tensor) -> int:
+    """The least number of `table` (the int64s of `data` from byte `start`; 0 if empty). A
+    small table is read by Python's `min` over the bytes (no list made): torch splits a
+    reduction of more than 32,768 numbers over its threads, which on a busy machine wait for
+    a core longer than the reduction takes."""
+    if not len(table):
+        return 0
+    if len(table) <= _SMALL_TABLE and sys.byteorder == "little":
+        return min(memoryview(data)[start : start + 8 * len(table)].cast("q"))
+    return int(table.min())
+
+
+_SMALL_TABLE = 1 << 20
+
+
+LAZY_CHUNKS = 64
+"""A tensor with more chunks than this keeps them in the chunk table (`LazyChunks`): a rank
+that loads its own shard of it needs only the few that overlap it (`read_items`)."""
+
+
+class LazyChunks(Sequence[ChunkStorageMetadata]):
+    """The chunks of one tensor (`TensorStorageMetadata.chunks`), as rows of the chunk table:
+    a `ChunkStorageMetadata` is made for a chunk only when it is read (all of them, once,
+    when the sequence is iterated or compared). Pickles as a plain list."""
+
+    __slots__ = ("_built", "_layouts", "_ndim", "_rows")
+
+    def __init__(self, rows: torch.Tensor, ndim: int, layouts: dict[Any, Any]) -> None:
+        self._rows = rows  # count x (2 * ndim + _PER_CHUNK), checked by the decoder
+        self._ndim = ndim
+        self._built: list[ChunkStorageMetadata] | None = None
+        self._layouts = layouts  # shared by the tensors of one record: `_overlapping`
+
+    def __len__(self) -> int:
+        return int(self._rows.shape[0])
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice) or self._built is not None:
+            return self._all()[i]
+        row = self._rows[i].tolist()  # IndexError past the end, as a list
+        nd = self._ndim
+        return ChunkStorageMetadata(torch.Size(row[:nd]), torch.Size(row[nd : 2 * nd]))
+
+    def _all(self) -> list[ChunkStorageMetadata]:
+        if self._built is None:
+            nd = self._ndim
+            shapes: dict[tuple[int, ...], torch.Size] = {}
+            built = []
+            for row in self._rows[:, : 2 * nd].tolist():
+                o, n = tuple(row[:nd]), tuple(row[nd:])
+                built.append(
+                    ChunkStorageMetadata(
+                        shapes.get(o) or shapes.setdefault(o, torch.Size(o)),
+                        shapes.get(n) or shapes.setdefault(n, torch.Size(n)),
+                    )
+                )
+            self._built = built
+        return self._built
+
+    def __iter__(self) -> Iterator[ChunkStorageMetadata]:
+        return iter(self._all())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, LazyChunks | list | tuple):
+            return self._all() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # as a list
+
+    def __repr__(self) -> str:
+        return f"LazyChunks({len(self)} chunks)"
+
+    def __reduce__(self) -> Any:
+        return (list, (self._all(),))
+
+    def read_items(self, fqn: str, local: Sequence[ChunkStorageMetadata]) -> list[ReadItem] | None:
+        """DCP's read items for loading the `local` chunks of `fqn` from these chunks
+        (`create_read_items_for_chunk_list`: the same items, in the same order), with the
+        chunks that overlap each local one found column by column; None when `local` does
+        not have this tensor's number of dimensions (DCP's own search then runs)."""
+        count, nd = len(self), self._ndim
+        if not local or not count:
+            return []
+        if any(len(c.offsets) != nd or len(c.sizes) != nd for c in local):
+            return None
+        items: list[ReadItem] = []
+        for li, lc, found in self._overlapping(local):
+            dest = MetadataIndex(fqn, lc.offsets, li)
+            for i in found:
+                saved = self[i]
+                region = _overlap_region(saved_shard=saved, current_shard=lc)
+                items.append(
+                    _read_item_for_tensor(
+                        dest_index=dest,
+                        dest_offsets=[r[2] for r in region],
+                        storage_index=MetadataIndex(fqn, saved.offsets, i),
+                        storage_offsets=[r[1] for r in region],
+                        lengths=[r[3] for r in region],
+                    )
+                )
+        return items
+
+    def _overlapping(
+        self, local: Sequence[ChunkStorageMetadata]
+    ) -> list[tuple[int, ChunkStorageMetadata, list[int]]]:
+        """For each of the `local` chunks, in DCP's order: its position, itself, and the
+        positions of the chunks that overlap it, in DCP's order. Tensors sharded alike (most
+        of a model's) have equal chunk offsets and sizes: the answer for one is kept and
+        reused for the next whose columns are equal (one comparison, not a search)."""
+        nd = self._ndim
+        key = (len(self), nd, tuple((tuple(c.offsets), tuple(c.sizes)) for c in local))
+        box = self._rows[:, : 2 * nd]
+        known = self._layouts.setdefault(key, [])
+        for other, answer in known:
+            if torch.equal(box, other):
+                return [(li, local[li], found) for li, found in answer]
+        answer = self._search(local)
+        if len(known) < _LAYOUTS_KEPT:
+            known.append((box, answer))
+        return [(li, local[li], found) for li, found in answer]
+
+    def _search(self, local: Sequence[ChunkStorageMetadata]) -> list[tuple[int, list[int]]]:
+        """`_overlapping`, column by column (DCP's sweep, `create_read_items_for_chunk_list`,
+        visits every chunk in Python)."""
+        count, nd = len(self), self._ndim
+        rows = self._rows
+        offsets, sizes = rows[:, :nd], rows[:, nd : 2 * nd]
+        sweep = 0  # DCP's sweep dimension: it orders the items
+        if nd > 1:
+            ends = (offsets + sizes).amax(0).tolist()  # not max(0): 10 ms with its indices
+            best = 0
+            for d in range(nd):
+                extent = max(ends[d], max(c.offsets[d] + c.sizes[d] for c in local))
+                if extent > best:
+                    best, sweep = extent, d
+        order = sorted(range(len(local)), key=lambda i: local[i].offsets[sweep] if nd else 0)
+        answer: list[tuple[int, list[int]]] = []
+        for li in order:
+            lc = local[li]
+            if nd:
+                # DCP's overlap test per dimension (`_check_shard_metadata_pair_overlap`):
+                # local_offset < offset + size and offset < local_offset + local_size, the
+                # first as local_offset - offset < size (no overflow: both are >= 0).
+                hit = torch.ones(count, dtype=torch.bool)
+                for d in range(nd):
+                    lo, n = lc.offsets[d], lc.sizes[d]
+                    hit &= (lo - offsets[:, d]) < sizes[:, d]
+                    if lo + n <= _INT64_MAX:
+                        hit &= offsets[:, d] < lo + n
+                found = hit.nonzero().flatten().tolist()
+                if not found:
+                    answer.append((li, found))
+                    continue
+                # DCP visits them by end along the sweep dimension, then by index
+                ends_at = (offsets[found, sweep] + sizes[found, sweep]).tolist()
+                found = [i for _, i in sorted(zip(ends_at, found, strict=True))]
+            else:
+                found = list(range(count))
+            answer.append((li, found))
+        return answer
+
+
+_INT64_MAX = 2**63 - 1
+_LAYOUTS_KEPT = 4
+"""Distinct chunk layouts kept per (chunk count, ndim, local chunks) for reuse."""
+
+
+def read_items(
+    fqn: str, saved: Any, local: Sequence[ChunkStorageMetadata]
+) -> list[ReadItem] | None:
+    """The read items that load the `local` chunks of tensor `fqn` (saved as `saved`, a
+    `TensorStorageMetadata`), as DCP's `create_read_items_for_chunk_list` plans them, when
+    `saved` keeps its chunks in the chunk table (`LazyChunks`): only the overlapping chunks
+    are made. None otherwise (DCP's own search then runs).
+
+    Called on: every rank that plans a load (`core/dcp.py`), per tensor it resharding-loads."""
+    chunks = getattr(saved, "chunks", None)
+    if type(chunks) is not LazyChunks:
+        return None
+    return chunks.read_items(fqn, local)
+
+
+class _StoragePart(Mapping[MetadataIndex, _StorageInfo]):
+    """Part of `storage_data` (the tensors' chunks, or the byte values): looked up by key,
+    its keys made only when it is iterated."""
+
+
+class _ChunkTable(_StoragePart):
+    """The stored piece of every chunk of every tensor, looked up in the chunk table: a key's
+    index hint (DCP's planner sets it to the chunk's position) finds its row, checked against
+    the key's offsets; other keys are found through the tensor's offsets (made on first
+    need)."""
+
+    def __init__(
+        self,
+        table: torch.Tensor,
+        files: list[str],
+        fqns: Sequence[str],
+        counts: Sequence[int],
+        ndims: Sequence[int],
+        ints: list[int] | None,
+    ) -> None:
+        self._table = table
+        self._ints = ints  # the table as Python ints, when the decoder made them
+        self._files = files
+        self._columns = (fqns, counts, ndims)
+        self._placed: dict[str, tuple[int, int, int]] | None = None
+        self._by_offsets: dict[str, dict[tuple[int, ...], int]] = {}
+        self._count = sum(counts)
+
+    @property
+    def _places(self) -> dict[str, tuple[int, int, int]]:
+        """Name -> (position of its first number, chunk count, ndim), made on first use."""
+        if self._placed is None:
+            fqns, counts, ndims = self._columns
+            spans = (n * (2 * nd + _PER_CHUNK) for n, nd in zip(counts, ndims, strict=True))
+            starts = itertools.accumulate(spans, initial=0)
+            # `starts` has one more: the end
+            placed = zip(fqns, starts, counts, ndims, strict=False)
+            self._placed = {f: (at, n, nd) for f, at, n, nd in placed}
+        return self._placed
+
+    def __getitem__(self, key: Any) -> _StorageInfo:
+        place = self._places.get(getattr(key, "fqn", None))  # type: ignore[arg-type]
+        offset = getattr(key, "offset", None)
+        if place is None or offset is None:
+            raise KeyError(key)
+        pos, count, nd = place
+        if len(offset) != nd:
+            raise KeyError(key)
+        width = 2 * nd + _PER_CHUNK
+        i = key.index
+        if (
+            type(i) is not int
+            or not 0 <= i < count
+            or self._numbers(pos + i * width, nd) != list(offset)
+        ):
+            i = self._find(key.fqn, pos, count, nd).get(tuple(offset))
+            if i is None:
+                raise KeyError(key)
+        file, at, length = self._numbers(pos + i * width + 2 * nd + 1, 3)
+        return _StorageInfo(self._files[file], at, length)
+
+    def _numbers(self, start: int, n: int) -> list[int]:
+        if self._ints is not None:
+            return self._ints[start : start + n]
+        return self._table[start : start + n].tolist()  # type: ignore[no-any-return]
+
+    def _find(self, fqn: str, pos: int, count: int, nd: int) -> dict[tuple[int, ...], int]:
+        found = self._by_offsets.get(fqn)
+        if found is None:
+            width = 2 * nd + _PER_CHUNK
+            rows = self._table[pos : pos + count * width].view(count, width)[:, :nd].tolist()
+            found = self._by_offsets[fqn] = {tuple(r): i for i, r in enumerate(rows)}
+        return found
+
+    def __iter__(self) -> Iterator[MetadataIndex]:
+        for fqn, (pos, count, nd) in self._places.items():
+            width = 2 * nd + _PER_CHUNK
+            rows = self._table[pos : pos + count * width].view(count, width)
+            offsets = rows[:, :nd].tolist()
+            hints = rows[:, 2 * nd].tolist()
+            for o, h in zip(offsets, hints, strict=True):
+                yield MetadataIndex(fqn, torch.Size(o), h - 1 if h else None)
+
+    def __len__(self) -> int:
+        return self._count
+
+
+class _ByteValues(_StoragePart):
+    """The stored piece of every byte value (`pieces`), keyed by name."""
+
+    def __init__(self, infos: dict[str, _StorageInfo], hints: Sequence[int]) -> None:
+        self._infos = infos
+        self._hints = hints  # in the order of `infos`
+
+    def __getitem__(self, key: Any) -> _StorageInfo:
+        if getattr(key, "offset", 0) is not None:
+            raise KeyError(key)
+        return self._infos[key.fqn]
+
+    def __iter__(self) -> Iterator[MetadataIndex]:
+        for fqn, h in zip(self._infos, self._hints, strict=True):
+            yield MetadataIndex(fqn, None, h - 1 if h else None)
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
+
+class _Storage(Mapping[MetadataIndex, _StorageInfo]):
+    """`storage_data` of a `NativeMetadata`: DCP's mapping of every stored piece's key to its
+    place, answered from the decoded record without a key object per piece (2 million for a
+    large sharded job); iterating it makes them. Pickles and compares as a dict."""
+
+    def __init__(self, parts: list[_StoragePart]) -> None:
+        self._parts = parts
+
+    def __getitem__(self, key: Any) -> _StorageInfo:
+        for part in self._parts:
+            try:
+                return part[key]
+            except KeyError:
+                continue
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[MetadataIndex]:
+        return itertools.chain.from_iterable(self._parts)
+
+    def __len__(self) -> int:
+        return sum(map(len, self._parts))
+
+    def __repr__(self) -> str:
+        return f"<storage_data of {len(self)} pieces>"
+
+    def __reduce__(self) -> Any:
+        return (dict, (dict(self.items()),))
+
+
 def _fast_tensors(
     records: Any,
-    ints: list[int],
+    table: torch.Tensor,
     files: list[str],
     entries: dict[str, Any],
     pieces: dict[str, _StorageInfo] | None,
-    later: list[Callable[[], Iterable[tuple[MetadataIndex, _StorageInfo]]]],
+    parts: list[_StoragePart],
 ) -> bool:
     """`_Decoder.tensors`, column by column; False (nothing added) where in doubt. The stored
-    piece of each one-chunk tensor goes to `pieces`; the storage keys are built by a function
-    appended to `later`."""
+    piece of each one-chunk tensor goes to `pieces`; the chunks' pieces are looked up in the
+    table (`_ChunkTable`, appended to `parts`). A tensor of more than `LAZY_CHUNKS` chunks
+    keeps them there too (`LazyChunks`)."""
     columns = _columns(records, 6)
     if columns is None:
         return False
@@ -628,52 +964,74 @@ def _fast_tensors(
         return False
     if not _ints_ok([n for size in sizes for n in size]) or not _ints_ok(counts):
         return False
-    widths = [2 * len(size) + _PER_CHUNK for size in sizes]
-    if sum(map(int.__mul__, counts, widths)) != len(ints):
+    ndims = list(map(len, sizes))
+    widths = [2 * nd + _PER_CHUNK for nd in ndims]
+    if sum(map(int.__mul__, counts, widths)) != len(table):
         return False
+    # The chunks made now, as Python ints: from one list of the table when they are most of
+    # it (many small tensors), else from a slice per tensor (a few among millions of chunks)
+    ints: list[int] | None = None
+    if max(counts, default=0) <= LAZY_CHUNKS or 2 * sum(
+        n * w for n, w in zip(counts, widths, strict=True) if n <= LAZY_CHUNKS
+    ) >= len(table):
+        ints = table.tolist()
+    nfiles = len(files)
     shapes: dict[tuple[int, ...], torch.Size] = {}
-    props: dict[tuple[torch.dtype, bool, bool], TensorProperties] = {}
+    kinds = {
+        (d, g, p): TensorProperties(dtype=d, requires_grad=g, pin_memory=p)  # type: ignore[arg-type]
+        for d, g, p in set(zip(dtypes, grads, pins, strict=True))
+    }
+    properties = list(map(kinds.__getitem__, zip(dtypes, grads, pins, strict=True)))
     built: dict[str, TensorStorageMetadata] = {}
-    keys: list[tuple[str, torch.Size, int | None]] = []
-    infos: list[_StorageInfo] = []
     single: dict[str, _StorageInfo] = {}
+    layouts: dict[Any, Any] = {}
     pos = 0
-    for fqn, dtype, grad, pinned, size, count, width in zip(
-        fqns, dtypes, grads, pins, sizes, counts, widths, strict=True
+    for fqn, p, size, count, nd, width in zip(
+        fqns, properties, sizes, counts, ndims, widths, strict=True
     ):
-        ndim = len(size)
-        chunks = []
-        for _ in range(count):
+        span = count * width
+        chunks: Sequence[ChunkStorageMetadata]
+        if count == 1 and ints is not None:  # most entries of a one-rank state
             row = ints[pos : pos + width]
-            pos += width
-            offsets = tuple(row[:ndim])
-            lengths = tuple(row[ndim : 2 * ndim])
-            hint, file, offset, length = row[2 * ndim :]
-            if file >= len(files):
+            file = row[-3]
+            if file >= nfiles:
                 return False
+            offsets, lengths = tuple(row[:nd]), tuple(row[nd : 2 * nd])
             o = shapes.get(offsets) or shapes.setdefault(offsets, torch.Size(offsets))
             n = shapes.get(lengths) or shapes.setdefault(lengths, torch.Size(lengths))
-            chunks.append(ChunkStorageMetadata(offsets=o, sizes=n))
-            keys.append((fqn, o, hint - 1 if hint else None))
-            info = _StorageInfo(files[file], offset, length)
-            infos.append(info)
-            if count == 1:
-                single[fqn] = info
-        key = (dtype, grad, pinned)
-        p = props.get(key)
-        if p is None:
-            p = props[key] = TensorProperties(dtype=dtype, requires_grad=grad, pin_memory=pinned)
+            chunks = [ChunkStorageMetadata(o, n)]
+            single[fqn] = _StorageInfo(files[file], row[-2], row[-1])
+        elif count > LAZY_CHUNKS:
+            rows = table[pos : pos + span].view(count, width)
+            if int(rows[:, -3].max()) >= nfiles:  # each chunk's file
+                return False
+            chunks = LazyChunks(rows, nd, layouts)
+        else:
+            at, row_ints = pos, ints
+            if row_ints is None:
+                at, row_ints = 0, table[pos : pos + span].tolist()
+            chunks = []
+            for _ in range(count):
+                row = row_ints[at : at + width]
+                at += width
+                offsets = tuple(row[:nd])
+                lengths = tuple(row[nd : 2 * nd])
+                file, offset, length = row[-3:]
+                if file >= nfiles:
+                    return False
+                o = shapes.get(offsets) or shapes.setdefault(offsets, torch.Size(offsets))
+                n = shapes.get(lengths) or shapes.setdefault(lengths, torch.Size(lengths))
+                chunks.append(ChunkStorageMetadata(o, n))
+                if count == 1:
+                    single[fqn] = _StorageInfo(files[file], offset, length)
+        pos += span
         whole = tuple(size)
         shape = shapes.get(whole) or shapes.setdefault(whole, torch.Size(whole))
-        built[fqn] = TensorStorageMetadata(p, shape, chunks)
+        built[fqn] = TensorStorageMetadata(p, shape, chunks)  # type: ignore[arg-type]
     entries.update(built)
     if pieces is not None:
         pieces.update(single)
-
-    def storage() -> Iterable[tuple[MetadataIndex, _StorageInfo]]:
-        return zip(itertools.starmap(MetadataIndex, keys), infos, strict=True)
-
-    later.append(storage)
+    parts.append(_ChunkTable(table, files, fqns, counts, ndims, ints))
     return True
 
 
@@ -682,11 +1040,11 @@ def _fast_byte_values(
     files: list[str],
     entries: dict[str, Any],
     pieces: dict[str, _StorageInfo] | None,
-    later: list[Callable[[], Iterable[tuple[MetadataIndex, _StorageInfo]]]],
+    parts: list[_StoragePart],
 ) -> bool:
     """`_Decoder.byte_values`, column by column; False (nothing added) where in doubt. Each
-    value's stored piece goes to `pieces`; the storage keys are built by a function appended
-    to `later`. Every byte value's entry is one shared `BytesStorageMetadata` (it has no
+    value's stored piece goes to `pieces` and to the part of `storage_data` appended to
+    `parts`. Every byte value's entry is one shared `BytesStorageMetadata` (it has no
     fields: all are equal)."""
     columns = _columns(records, 5)
     if columns is None:
@@ -698,16 +1056,13 @@ def _fast_byte_values(
         return False
     if file_ids and max(file_ids) >= len(files):
         return False
-    infos = list(map(_StorageInfo, [files[f] for f in file_ids], offsets, lengths))
+    infos = dict(
+        zip(fqns, map(_StorageInfo, [files[f] for f in file_ids], offsets, lengths), strict=True)
+    )
     if pieces is not None:
-        pieces.update(zip(fqns, infos, strict=True))
+        pieces.update(infos)
     entries.update(zip(fqns, repeat(_BYTES_ENTRY)))
-
-    def storage() -> Iterable[tuple[MetadataIndex, _StorageInfo]]:
-        indices = [h - 1 if h else None for h in hints]
-        return zip(map(MetadataIndex, fqns, repeat(None), indices), infos, strict=True)
-
-    later.append(storage)
+    parts.append(_ByteValues(infos, hints))
     return True
 
 
