@@ -71,10 +71,14 @@ def test_bench_scale_runs_and_prints_its_tables(tmp_path: Path) -> None:
     loaded state), and each simulated function reported a time and a memory peak."""
     out = tmp_path / "scale.json"
     args = ["--scale", "--scale-entries", "400", "--scale-ranks", "2,4", "--scale-tensors", "2"]
-    args += ["--scale-training-entries", "400"]
+    args += ["--scale-training-entries", "400", "--scale-load", "8x128"]
     args += ["--repeats", "1", "--dir", str(tmp_path), "--json", str(out)]
     run = _bench(args)
     scale = json.loads(out.read_text())["scale"]
+    load = scale["rank_load"]
+    assert load["chunks"] == 8 * 128 and load["native_bytes"] > 0
+    # a rank's row shard of each of the 8 tensors: one saved chunk each, two when resharded
+    assert (load["items"], load["items_resharded"]) == (8, 16)
     contenders = scale["entries"]["results"]
     assert {"trainckpt save", "trainckpt save_async", "plain DCP", "OLMo-core"} <= set(contenders)
     for label, by_size in contenders.items():
