@@ -318,14 +318,16 @@ def load_optim(
     and groups, the same `__setstate__`. For values that are tensors or numbers (what
     `state_reason` lets through); anything else goes through `Optimizer.load_state_dict`,
     as does an optimizer that has gained a load hook since its state dict was handed out."""
-    plain = (torch.Tensor, int, float)
-    if any(getattr(optim, h, None) for h in _OPTIM_HOOKS[2:]) or not all(
-        isinstance(v, plain) for values in state.values() for v in values.values()
-    ):
+    if any(getattr(optim, h, None) for h in _OPTIM_HOOKS[2:]):
         optim.load_state_dict({"state": state, "param_groups": groups})
         return
     current = optim.param_groups
-    saved_groups = deepcopy(groups)
+    # `deepcopy(groups)` (one memo: shared values stay shared), each parameter list of ints
+    # (`groups_to_load`'s, one per group) copied as a list, not int by int
+    memo: dict[int, Any] = {}
+    saved_groups = [
+        {k: list(v) if k == "params" else deepcopy(v, memo) for k, v in g.items()} for g in groups
+    ]
     if len(current) != len(saved_groups) or any(
         len(g["params"]) != len(s["params"]) for g, s in zip(current, saved_groups, strict=True)
     ):  # cannot happen: `groups_to_load` made them from `current`; the optimizer raises
@@ -336,18 +338,26 @@ def load_optim(
         for i, p in zip(s["params"], g["params"], strict=True):
             id_map[i] = (p, s)
     new_state: defaultdict[torch.Tensor, dict[Any, Any]] = defaultdict(dict)
+    tensor, numbers = torch.Tensor, (int, float)
     for i, values in state.items():
         p, s = id_map[i]
         cast: dict[Any, Any] = {}
+        floating = dtype = device = None  # of `p`, looked up once per parameter
         for key, v in values.items():
-            if isinstance(v, torch.Tensor):
+            if isinstance(v, tensor):
+                if device is None:
+                    device, dtype, floating = p.device, p.dtype, p.is_floating_point()
                 if key == "step":
                     if s.get("capturable", False) or s.get("fused", False):
-                        v = v.to(dtype=torch.float32, device=p.device)
-                elif p.is_floating_point():
-                    v = v.to(dtype=p.dtype, device=p.device)
-                else:
-                    v = v.to(device=p.device)
+                        v = v.to(dtype=torch.float32, device=device)
+                elif floating:
+                    if v.dtype != dtype or v.device != device:  # else `to` returns `v`
+                        v = v.to(dtype=dtype, device=device)
+                elif v.device != device:
+                    v = v.to(device=device)
+            elif not isinstance(v, numbers):  # nothing changed yet: the optimizer's own way
+                optim.load_state_dict({"state": state, "param_groups": groups})
+                return
             cast[key] = v
         new_state[p] = cast
     for g, s in zip(current, saved_groups, strict=True):

@@ -267,6 +267,8 @@ def _part(i: int, module: torch.nn.Module, optim: torch.optim.Optimizer | None) 
 
 
 def _merged(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    if len(parts) == 1:
+        return dict(parts[0])  # one copy in C: tens of thousands of entries
     return {k: v for part in parts for k, v in part.items()}
 
 

@@ -575,3 +575,55 @@ def test_a_key_the_loader_dropped_fails_as_dcp_fails() -> None:
     del state["model"]["0.bias"]
     with pytest.raises(KeyError, match="0.bias"):
         module.load_state_dict(state)
+
+
+def _two_group_adam() -> torch.optim.Optimizer:
+    torch.manual_seed(0)
+    params = [
+        nn.Parameter(torch.randn(4, 3, dtype=torch.bfloat16)),
+        nn.Parameter(torch.randn(5)),
+        nn.Parameter(torch.randint(0, 5, (3,)), requires_grad=False),
+    ]
+    return torch.optim.AdamW(
+        [{"params": params[:2], "lr": 0.1}, {"params": params[2:], "lr": 0.2}], betas=(0.8, 0.9)
+    )
+
+
+@pytest.mark.parametrize("odd", [None, "a string state value"])
+def test_load_optim_gives_what_the_optimizers_own_load_gives(odd: str | None) -> None:
+    """The same casts (float state to a bf16 parameter's dtype, the step left alone, an int
+    parameter's state kept), the same objects where no cast is needed, the same groups with
+    a value shared by two groups still shared; a value that is no tensor or number goes
+    through the optimizer's own load, whole."""
+    shared = [0.5, 0.25]  # a mutable hyperparameter held by both groups
+    state = {
+        0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(4, 3), "exp_avg_sq": torch.ones(4, 3)},
+        1: {"step": torch.tensor(3.0), "exp_avg": torch.ones(5), "exp_avg_sq": torch.ones(5)},
+        2: {"step": torch.tensor(1.0), "exp_avg": torch.tensor([1, 2, 3])},
+    }
+    if odd is not None:
+        state[1]["note"] = odd
+    groups = [
+        {"params": [0, 1], "lr": 0.01, "betas": (0.8, 0.9), "extra": shared},
+        {"params": [2], "lr": 0.02, "betas": (0.8, 0.9), "extra": shared},
+    ]
+    mine, theirs = _two_group_adam(), _two_group_adam()
+    plain_state.load_optim(mine, state, groups)
+    theirs.load_state_dict({"state": state, "param_groups": groups})
+    for a, b in zip(mine.param_groups, theirs.param_groups, strict=True):
+        assert a.keys() == b.keys() and a["lr"] == b["lr"] and a["extra"] == b["extra"]
+    assert mine.param_groups[0]["extra"] is mine.param_groups[1]["extra"]
+    assert mine.param_groups[0]["extra"] is not shared
+    mp = [p for g in mine.param_groups for p in g["params"]]
+    tp = [p for g in theirs.param_groups for p in g["params"]]
+    for i, (p, q) in enumerate(zip(mp, tp, strict=True)):
+        got, want = mine.state[p], theirs.state[q]
+        assert got.keys() == want.keys()
+        for key in got:
+            if isinstance(want[key], torch.Tensor):
+                assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key])
+                assert (got[key] is state[i][key]) == (want[key] is state[i][key]), (i, key)
+            else:
+                assert got[key] == want[key]
+    assert mine.state[mp[0]]["exp_avg"].dtype == torch.bfloat16
+    assert mine.state[mp[1]]["exp_avg"] is state[1]["exp_avg"]

@@ -320,3 +320,17 @@ def test_a_good_small_record_is_read_by_the_columns() -> None:
     md = native_metadata.decode(_record(_header(), _INTS), "rec")
     assert set(md.state_dict_metadata) == {"w", "v"}
     assert md.planner_data == {"w": ("w",), "v": ("v",)}
+
+
+def test_equal_mutable_values_load_as_separate_objects(tmp_path: Path) -> None:
+    """Items with equal bytes are checked by comparison and handed on as one bytes object,
+    but a mutable value parsed from them is parsed per item: changing one loaded list
+    changes no other."""
+    state: dict[str, Any] = {f"v{i}": [1, 2, 3] for i in range(6)}  # a list of ints: one item
+    state["t"] = torch.ones(3)
+    out = _save_load(tmp_path, state)
+    assert all(out[f"v{i}"] == [1, 2, 3] for i in range(6)) and torch.equal(out["t"], state["t"])
+    out["v0"].append(9)
+    out["v1"][0] = 7
+    assert all(out[f"v{i}"] == [1, 2, 3] for i in range(2, 6))
+    assert len({id(out[f"v{i}"]) for i in range(6)}) == 6

@@ -17,9 +17,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from trainckpt import CheckpointerConfig, CorruptCheckpointError
-from trainckpt.core.dcp import plain_errors, save_state
+from trainckpt.core.dcp import load_state, plain_errors, save_state
 from trainckpt.errors import CheckpointError
 from trainckpt.format import shard_reader
+from trainckpt.format.dcp_metadata import read_dcp_metadata
 from trainckpt.format.shard_reader import (
     ParallelReader,
     _load_checked,
@@ -27,6 +28,7 @@ from trainckpt.format.shard_reader import (
     _split_runs,
     reading_threads,
 )
+from trainckpt.storage.local import LocalStorage
 
 
 def _reading_threads_seen(monkeypatch: pytest.MonkeyPatch) -> set[str]:
@@ -237,3 +239,85 @@ def test_a_damaged_item_read_with_its_neighbours_is_caught_and_named(tmp_path: P
     with pytest.raises(CorruptCheckpointError) as caught, plain_errors("", CheckpointError):
         dcp.load(_blank(state), storage_reader=reader, no_dist=True)
     assert "item 't17'" in str(caught.value) and info.relative_path in str(caught.value)
+
+
+# -- whole tensors copied into their targets (`_copy_into`) ----------------------------------
+
+
+def _load_into(tmp_path: Path, out: dict[str, Any]) -> None:
+    storage = LocalStorage()
+    folder = str(tmp_path / "dcp")
+    load_state(out, storage, folder, read_dcp_metadata(storage, folder), group=None)
+
+
+def test_whole_tensors_land_in_every_kind_of_target(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many items of a kind (so most are copied by one memmove): each target gets its own
+    values in place, cast where its dtype differs, through strides where it is not
+    contiguous, at its offset where it is a view into a larger tensor (nothing around it
+    written), and its version counter moves as `copy_` moves it."""
+    moves: list[int] = []
+    real = shard_reader._memmove
+    monkeypatch.setattr(
+        shard_reader, "_memmove", lambda dst, src, n: (moves.append(n), real(dst, src, n))[1]
+    )
+    state: dict[str, Any] = {}
+    for i in range(6):
+        state[f"a{i}"] = torch.randn(16, 16)
+        state[f"b{i}"] = torch.randn(16, 16, dtype=torch.float64)
+        state[f"c{i}"] = torch.randn(8, 4)
+        state[f"d{i}"] = torch.randn(12).to(torch.bfloat16)
+        state[f"e{i}"] = torch.tensor(float(i) + 0.5)
+        state[f"f{i}"] = torch.randint(-100, 100, (9,))
+        state[f"g{i}"] = torch.randn(16)
+    save_state(state, tmp_path / "dcp", group=None, thread_count=1)
+    big = [torch.zeros(100) for _ in range(6)]
+    out: dict[str, Any] = {}
+    for i in range(6):
+        out[f"a{i}"] = torch.zeros(16, 16)
+        out[f"b{i}"] = torch.zeros(16, 16)  # float32: cast by copy_
+        out[f"c{i}"] = torch.zeros(4, 8).t()  # not contiguous
+        out[f"d{i}"] = torch.nn.Parameter(torch.zeros(12, dtype=torch.bfloat16))
+        out[f"e{i}"] = torch.zeros(())
+        out[f"f{i}"] = torch.zeros(18, dtype=torch.int64)[::2]  # strided
+        out[f"g{i}"] = big[i][10:26]  # contiguous, at an offset in its storage
+    targets = dict(out)
+    versions = {k: v._version for k, v in out.items()}
+    _load_into(tmp_path, out)
+    for key, value in state.items():
+        assert out[key] is targets[key]
+        assert torch.equal(out[key], value.to(out[key].dtype)), key
+        assert out[key]._version > versions[key], key
+    for b in big:
+        assert not b[:10].any() and not b[26:].any()
+    assert moves  # the memmove path ran, for the kinds it may serve
+    assert len(moves) < len(state) - 12  # not for the cast or strided targets
+
+
+def test_a_whole_tensor_of_another_shape_is_refused_and_named(tmp_path: Path) -> None:
+    state = {f"a{i}": torch.randn(16, 16) for i in range(8)}
+    save_state(state, tmp_path / "dcp", group=None, thread_count=1)
+    out: dict[str, Any] = {f"a{i}": torch.zeros(16, 16) for i in range(8)}
+    out["a5"] = torch.zeros(256)  # same bytes, other shape
+    with pytest.raises(CheckpointError, match="a5"):
+        _load_into(tmp_path, out)
+
+
+def test_a_flipped_byte_in_one_of_many_alike_tensors_is_caught_and_named(tmp_path: Path) -> None:
+    """Tensors read by the memmove path keep their CRC32C check: a flipped byte in the data
+    (or outside it) of one of many alike items fails naming that item."""
+    state = {f"a{i}": torch.randn(16, 16) for i in range(12)}
+    save_state(state, tmp_path / "dcp", group=None, thread_count=1)
+    md = read_dcp_metadata(LocalStorage(), str(tmp_path / "dcp"))
+    [info] = [s for i, s in md.storage_data.items() if i.fqn == "a9"]
+    shard = tmp_path / "dcp" / info.relative_path
+    good = shard.read_bytes()
+    for where in (info.length - 300, 20):  # in the tensor's data, in its pickle's zip
+        data = bytearray(good)
+        data[info.offset + where] ^= 0x10
+        shard.write_bytes(bytes(data))
+        out: dict[str, Any] = {k: torch.zeros(16, 16) for k in state}
+        with pytest.raises(CorruptCheckpointError) as caught:
+            _load_into(tmp_path, out)
+        assert "item 'a9'" in str(caught.value) and info.relative_path in str(caught.value)

@@ -83,6 +83,9 @@ class Parsed:
 
     def __init__(self) -> None:
         self._values: dict[bytes, Any] = {}
+        self.lookup = self._values.get
+        """`lookup(data, default)`: the value an item of the bytes `data` parsed to, or
+        `default` (`known` without a call of its own: once per byte item of a load)."""
 
     def known(self, data: bytes) -> Any:
         """The value an item of the bytes `data` parsed to, or `MISSING`."""
