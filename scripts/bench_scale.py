@@ -299,14 +299,18 @@ def _measure(fn: Callable[[], Any]) -> dict[str, float]:
     start = time.perf_counter()
     fn()
     seconds = time.perf_counter() - start
+    return {"s": seconds, "peak_mb": _traced_peak(fn) / 1e6}
+
+
+def _traced_peak(fn: Callable[[], Any]) -> int:
+    """Peak bytes of Python objects one call of `fn` allocated (traced, after a collection)."""
     gc.collect()
     tracemalloc.start()
     try:
         fn()
-        peak = tracemalloc.get_traced_memory()[1]
+        return int(tracemalloc.get_traced_memory()[1])
     finally:
         tracemalloc.stop()
-    return {"s": seconds, "peak_mb": peak / 1e6}
 
 
 def _paused_loads(data: bytes) -> Any:
@@ -605,13 +609,7 @@ def _measure_median(fn: Callable[[], Any], repeats: int) -> dict[str, Any]:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    gc.collect()
-    tracemalloc.start()
-    try:
-        fn()
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    peak = _traced_peak(fn)
     return {
         "s": statistics.median(times),
         "min_s": min(times),

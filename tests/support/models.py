@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -78,3 +79,22 @@ class WithExtra:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.loaded = state_dict
+
+
+def assert_plain_dcp_reads(path: Path, expected: ModelAndOptim) -> None:
+    """Plain DCP (no process group) loads the model tensors of the trainckpt checkpoint at
+    `path` bit-exactly as `expected` holds them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    folder = str(path / "model_and_optim")
+    md = FileSystemReader(folder).read_metadata()
+    state = {
+        k: torch.empty(v.size, dtype=v.properties.dtype)
+        for k, v in md.state_dict_metadata.items()
+        if isinstance(v, TensorStorageMetadata)
+    }
+    dcp.load(state, checkpoint_id=folder, no_dist=True)
+    for name, value in expected.model.state_dict().items():
+        assert torch.equal(state[f"model.{name}"], value), name

@@ -12,11 +12,9 @@ from pathlib import Path
 import olmo_core.train.checkpoint as olmo_checkpoint
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from support.lora import BASE, BASE_BYTES, copy_of, lora_module, train
-from support.models import assert_same_state
+from support.models import assert_plain_dcp_reads, assert_same_state
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from trainckpt import (
     Checkpointer,
@@ -76,15 +74,7 @@ def test_unchanged_files_are_hard_links_and_each_checkpoint_loads_alone(run, tmp
         assert ckpt.load(path, dst) == {"step": keep}
         assert_same_state(expected, dst)
         # plain DCP, reading the same files
-        md = FileSystemReader(str(path / "model_and_optim")).read_metadata()
-        state = {
-            k: torch.empty(v.size, dtype=v.properties.dtype)
-            for k, v in md.state_dict_metadata.items()
-            if isinstance(v, TensorStorageMetadata)
-        }
-        dcp.load(state, checkpoint_id=str(path / "model_and_optim"), no_dist=True)
-        for name, value in expected.model.state_dict().items():
-            assert torch.equal(state[f"model.{name}"], value), name
+        assert_plain_dcp_reads(path, expected)
         # OLMo-core
         dst = lora_module(seed=8)
         olmo = olmo_checkpoint.Checkpointer(work_dir=tmp_path / f"olmo-{keep}")

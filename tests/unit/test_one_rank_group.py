@@ -9,14 +9,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from support.models import assert_same_state, fresh_module, make_module
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from support.models import assert_plain_dcp_reads, assert_same_state, fresh_module, make_module
 
-from trainckpt import CheckpointerConfig, ModelAndOptim
+from trainckpt import CheckpointerConfig
 
 
 @pytest.fixture
@@ -26,18 +22,6 @@ def one_rank() -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
-
-
-def _plain_dcp_reads(path: Path, expected: ModelAndOptim) -> None:
-    md = FileSystemReader(str(path / "model_and_optim")).read_metadata()
-    state = {
-        k: torch.empty(v.size, dtype=v.properties.dtype)
-        for k, v in md.state_dict_metadata.items()
-        if isinstance(v, TensorStorageMetadata)
-    }
-    dcp.load(state, checkpoint_id=str(path / "model_and_optim"), no_dist=True)
-    for name, value in expected.model.state_dict().items():
-        assert torch.equal(state[f"model.{name}"], value), name
 
 
 @pytest.mark.parametrize("writer", ["thread", "process"])
@@ -58,6 +42,6 @@ def test_saves_in_a_one_rank_group_are_whole_for_trainckpt_and_plain_dcp(
             dst = fresh_module(width=width)
             assert ckpt.load(path, dst) == {"step": n}
             assert_same_state(module, dst)
-            _plain_dcp_reads(path, module)
+            assert_plain_dcp_reads(path, module)
     finally:
         ckpt.close()
