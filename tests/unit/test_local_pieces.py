@@ -5,16 +5,23 @@ data file) still restores."""
 
 from __future__ import annotations
 
+import builtins
+import errno
 import json
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 from pydantic import ValidationError
+from support import TESTS
 from support.models import assert_same_state, fresh_module, make_module
 
-from trainckpt import Checkpointer, CheckpointerConfig
+from trainckpt import Checkpointer, CheckpointerConfig, StorageError
 from trainckpt.errors import CorruptCheckpointError
 from trainckpt.local import part_write
 from trainckpt.local.layout import LocalPart, scan
@@ -187,3 +194,104 @@ def test_the_pieces_crc32cs_combine_into_the_whole_files(sizes: tuple[int, ...])
     ]
     whole = b"".join(blobs)
     assert combined(pieces) == FileEntry(size=len(whole), crc32c=crc32c_bytes(whole))
+
+
+def test_only_bytes_inside_a_staged_storage_are_handed_over_in_place():
+    """What a piece's thread may read after torch.save moved on: bytes of the staged tensors'
+    storages, never a buffer torch reuses (anything else is copied first)."""
+    a, b = torch.arange(1000, dtype=torch.float32), torch.zeros(10, dtype=torch.int64)
+    staged = part_write._Staged({"a": a, "nested": [{"b": b}], "n": 3})
+    whole = memoryview(a.numpy()).cast("B")
+    assert staged.holds(whole)
+    assert staged.holds(whole[100:200])
+    assert staged.holds(memoryview(b.numpy()).cast("B")[8:])
+    assert not staged.holds(memoryview(bytearray(4000)))
+    assert not staged.holds(memoryview(a.clone().numpy()).cast("B"))
+    assert not part_write._Staged({}).holds(whole)
+    wider = torch.arange(2000, dtype=torch.float32)
+    inner = part_write._Staged({"a": wider[:1000]})  # a view: its whole storage is staged
+    assert inner.holds(memoryview(wider.numpy()).cast("B")[4000:8000])
+    assert not inner.holds(memoryview(torch.arange(3000).numpy()).cast("B"))
+
+
+def test_torchs_reused_header_buffers_are_copied_and_the_pieces_restore(tmp_path: Path):
+    """Small records (headers, padding, data.pkl) go through buffers torch reuses: a piece
+    whose thread read them late would hold another record's bytes. Many small tensors, with
+    pieces of a few KiB and nothing handed over in place below 1 KiB, restore bit-exact."""
+    ckpt = _ckpt(tmp_path)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(part_write, "_HAND_OVER_BYTES", 1 << 10)
+        m.setattr(part_write, "_WRITE_BUFFER", 2 << 10)
+        saved = make_module(seed=3)
+        ckpt.save_local(1, saved, {"step": 1}).result()
+    into = fresh_module()
+    assert ckpt.load_local(1, into) == {"step": 1}
+    assert_same_state(into, saved)
+    ckpt.close()
+
+
+_LIMITED = """
+import json, resource, signal, sys
+sys.path.insert(0, {tests!r})
+from support.models import make_module
+from trainckpt import CheckpointerConfig, CheckpointError
+from trainckpt.local import part_write
+part_write.PIECE_BYTES = 16 << 10
+part_write.max_pieces = lambda: 2
+ckpt = CheckpointerConfig(local_dir={local!r}, work_dir={work!r}, local_keep=3).build()
+ckpt.save_local(1, make_module(seed=1), {{"step": 1}}).result()  # before the limit
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an EFBIG error instead of a killed process
+resource.setrlimit(resource.RLIMIT_FSIZE, (40000, 40000))
+try:
+    ckpt.save_local(2, make_module(seed=2), {{"step": 2}}).result()
+    print(json.dumps(["saved", ""]))
+except CheckpointError as e:
+    print(json.dumps([type(e).__name__, str(e), ckpt.latest_local()]))
+ckpt.close()
+"""
+
+
+def test_a_piece_that_cannot_be_written_fails_the_save_and_names_it(tmp_path: Path):
+    """A write that fails on a piece's own thread (a file-size limit: each piece is ~55 KB,
+    the limit 40 KB) fails the save with a `CheckpointError` naming the piece; the part gets
+    no record and the older step stays the newest."""
+    code = _LIMITED.format(
+        tests=str(TESTS), local=str(tmp_path / "local"), work=str(tmp_path / "w")
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    kind, text, latest = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert kind == "StorageError", (kind, text)
+    assert "module.0.pt" in text or "module.1.pt" in text, text
+    assert latest == 1
+    (torn,) = (tmp_path / "local").glob("step2/*/rank0")
+    assert not (torn / "part.json").exists()
+
+
+def test_a_piece_that_cannot_be_created_mid_torch_save_fails_the_save_not_the_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The second piece is opened from inside torch's C++ writer (its write callback): an
+    error thrown back into it terminates the process. A disk full at that moment must be the
+    save's `StorageError` naming the piece, the part without a record, the older step kept."""
+    ckpt = _ckpt(tmp_path)
+    first = make_module(seed=1)
+    ckpt.save_local(1, first, {"step": 1}).result()
+
+    def full_disk(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if Path(path).name == "module.1.pt":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return builtins.open(path, *args, **kwargs)
+
+    monkeypatch.setattr(part_write, "open", full_disk, raising=False)
+    with pytest.raises(StorageError, match=r"module\.1\.pt"):
+        ckpt.save_local(2, make_module(seed=2), {"step": 2}).result()
+    torn = _part(tmp_path, 2)
+    assert not (torn / "part.json").exists()
+    assert ckpt.latest_local() == 1
+    into = fresh_module()
+    assert ckpt.load_latest_local(into) == (1, {"step": 1})
+    assert_same_state(into, first)
+    ckpt.close()

@@ -29,17 +29,24 @@ def write_tensor(tensor: torch.Tensor, out: ChecksummedWriter) -> None:
 
 
 def save_item(tensor: torch.Tensor, out: ChecksummedWriter) -> None:
-    """`torch.save(tensor, out)` without the zip CRC32, the same bytes as `torch.save` under
-    `set_crc32_options(False)`. That option is not a safe switch here: in torch 2.13 it is a
-    per-thread value (a ContextVar: set by the caller of a save, it never reaches the writer
-    threads), in earlier versions a process-global one (it would also drop the CRC32 of a
-    `torch.save` the trainer runs meanwhile). So the zip writer is opened here, per call, with
-    the CRC32 off, and `torch.save`'s own serializer writes into it: no shared state at all
-    (private functions of torch.serialization; torch is pinned and
-    `tests/test_shard_writer.py` compares the bytes with `torch.save`'s)."""
+    """`torch.save(tensor, out)` without the zip CRC32 (`save_without_zip_crc`)."""
+    save_without_zip_crc(tensor, out)
+
+
+def save_without_zip_crc(obj: object, out: IO[bytes] | ChecksummedWriter) -> None:
+    """`torch.save(obj, out)` without the zip CRC32 (a second pass over every byte; the
+    file's CRC32C covers them): the same bytes as `torch.save` under `set_crc32_options(False)`.
+    That option is not a safe switch here: in torch 2.13 it is a per-thread value (a
+    ContextVar: set by the caller of a save, it never reaches the writer threads), in earlier
+    versions a process-global one (it would also drop the CRC32 of a `torch.save` the trainer
+    runs meanwhile). So the zip writer is opened here, per call, with the CRC32 off, and
+    `torch.save`'s own serializer writes into it: no shared state at all (private functions
+    of torch.serialization; torch is pinned and `tests/test_shard_writer.py` compares the
+    bytes with `torch.save`'s). Called on: a writer thread of any rank, the writer process,
+    or the local tier's saving thread."""
     writer = torch._C.PyTorchFileWriter(cast(IO[bytes], out), False, _get_storage_alignment())
     try:
-        _save(tensor, writer, pickle, DEFAULT_PROTOCOL, False)
+        _save(obj, writer, pickle, DEFAULT_PROTOCOL, False)
     except BaseException:
         # Finalize even after a failed write (as torch.save's own opener does): a zip writer
         # left open finalizes in its C++ destructor when it is garbage-collected, and a write

@@ -6,17 +6,20 @@ the record before it counts (docs/design.md §9, docs/local-tier.md)."""
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import ctypes
 import os
-import pickle
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, cast
+from typing import IO, Any, cast
 
 import torch
 
+from trainckpt.format.tensor_item import save_without_zip_crc
 from trainckpt.local.layout import (
     MODULE_FILE,
     PART_FILE,
@@ -31,7 +34,7 @@ from trainckpt.local.part_check import check_entry
 from trainckpt.local.part_read import Splitter
 from trainckpt.local.replica_file import ReplicaWriter, replica_file
 from trainckpt.local.transfer import PhaseClock
-from trainckpt.storage.checksummed_file import ChecksummedWriter
+from trainckpt.storage.checksummed_file import ChecksummedWriter, buffer_address
 from trainckpt.storage.checksums import FileEntry
 from trainckpt.storage.local import fsync_dir, writing
 from trainckpt.testing.faults import fault_point
@@ -64,6 +67,27 @@ def piece_count(nbytes: int) -> int:
     return max(1, min(max_pieces(), -(-nbytes // PIECE_BYTES)))
 
 
+class PartThreads:
+    """The threads a rank's own parts are written with, kept from save to save (starting
+    threads anew cost each save a few ms on a busy machine): a writer per piece (a piece's
+    bytes are written in order, by one thread) and the flusher (writeback requests and the new
+    folders' fsyncs: it waits on the disk and takes next to no CPU). Called on: each rank's
+    local tier, which closes them with itself."""
+
+    def __init__(self) -> None:
+        self.writers = [
+            ThreadPoolExecutor(1, thread_name_prefix="trainckpt-local-piece")
+            for _ in range(max_pieces())
+        ]
+        self.flusher = ThreadPoolExecutor(
+            max_pieces() + 2, thread_name_prefix="trainckpt-local-flush"
+        )
+
+    def close(self) -> None:
+        for pool in (*self.writers, self.flusher):
+            pool.shutdown(wait=True)
+
+
 def write_own_part(
     root: Path,
     rank: int,
@@ -73,41 +97,35 @@ def write_own_part(
     trainer_bytes: bytes,
     world: int,
     clock: PhaseClock,
-    flusher: ThreadPoolExecutor,
+    threads: PartThreads,
 ) -> LocalPart:
     """Write this rank's own part of `step` under `root` (module state as local shards, cut
     into `piece_count` pieces of its tensor bytes; trainer state; then `part.json` with the
     size and CRC32C of every file), every file and folder fsynced, the time of each phase
-    booked into `clock`. Each piece is flushed and fsynced on a thread of its own as soon as
-    it is full, while the next one is written (one file fsynced at the end waited for all of
-    its bytes at once); `part.json` is written only once every piece is durable, so a crash
-    before leaves a part without a record, which never counts. `flusher` runs the fsyncs
-    (at least `max_pieces() + 2` threads: every piece, the trainer state and the new folders'
-    parents at once). Called on: each rank, for its own part."""
+    booked into `clock` (`crc` and `write` summed over the pieces' threads). Each piece is
+    CRC'd, written, flushed and fsynced by a thread of its own while torch.save goes on with
+    the next (one file written and fsynced at the end would wait for all of its bytes on one
+    core); `part.json` is written only once every piece is durable, so a crash before leaves a
+    part without a record, which never counts. Called on: each rank, for its own part."""
     folder = part_dir(root, step, attempt, rank)
     with writing(folder):
         folder.mkdir(parents=True)
     # the new folders' entries made durable while the part is written (they must be before
     # its record is); the part's own folder is fsynced with its record
-    parents = flusher.submit(_fsync_up_to, folder.parent, root)
+    parents = threads.flusher.submit(_fsync_up_to, folder.parent, root)
     view = local_view(state)
     expected = _tensor_bytes(view)
     count = piece_count(expected)
-    module = _Pieces(folder, MODULE_FILE, count, expected, clock, flusher)
-    trainer = _Pieces(folder, TRAIN_FILE, 1, len(trainer_bytes), clock, flusher)
+    module = _Pieces(folder, MODULE_FILE, count, expected, clock, threads, _Staged(view))
+    trainer = _Pieces(folder, TRAIN_FILE, 1, len(trainer_bytes), clock, threads)
     try:
-        start, cpu = time.perf_counter(), time.thread_time()
-        _torch_save_without_zip_crc(view, module)
-        module.seal()
-        clock.add(
-            "serialize",
-            time.perf_counter() - start - module.booked,
-            time.thread_time() - cpu - module.booked_cpu,
-        )
-        fault_point("local-writing")  # module pieces handed to their flushes
+        with clock("serialize"):  # the pieces' threads CRC and write meanwhile
+            save_without_zip_crc(view, cast(IO[bytes], module))
+            module.seal()
+        fault_point("local-writing")  # module pieces handed to their threads
         trainer.write(trainer_bytes)
         trainer.seal()
-        with clock("fsync"):  # what the flushes still take once all is written
+        with clock("fsync"):  # what the pieces' threads still take once all is handed over
             files = {**module.entries(), **trainer.entries()}
     finally:
         module.abandon()
@@ -133,16 +151,57 @@ def _tensor_bytes(state: Any) -> int:
 
 
 _WRITE_BUFFER = 1 << 20
-"""Buffer of the own part's files (torch.save's small header writes; large ones pass)."""
+"""Buffer of a piece file (torch.save's small writes, gathered by `_Pieces`; large ones pass)."""
+
+
+_HAND_OVER_BYTES = 256 << 10
+"""Bytes of the staged tensors from this size on are handed to a piece's thread in place;
+smaller writes (and any write from a buffer torch reuses) are copied and gathered into one
+hand-over of up to `_WRITE_BUFFER` bytes: a thread hand-over costs more than copying a few KB."""
+
+
+class _Staged:
+    """The address ranges of the staged tensors' storages: the bytes that stay where they are
+    until the part is written (`write_own_part` holds the state until every piece is durable),
+    so a piece's thread may read them after `torch.save` has moved on."""
+
+    def __init__(self, state: Any) -> None:
+        spans = sorted(
+            (s.data_ptr(), s.data_ptr() + s.nbytes())
+            for s in _storages(state)
+            if s.device.type == "cpu" and s.nbytes() > 0
+        )
+        self._starts = [a for a, _b in spans]
+        self._ends = [b for _a, b in spans]
+
+    def holds(self, view: memoryview) -> bool:
+        """Whether all of `view` lies inside one staged storage."""
+        if not self._starts:
+            return False
+        address = buffer_address(view)
+        i = bisect.bisect_right(self._starts, address) - 1
+        return i >= 0 and address + len(view) <= self._ends[i]
+
+
+def _storages(state: Any) -> Iterator[torch.UntypedStorage]:
+    if isinstance(state, torch.Tensor):
+        yield state.untyped_storage()
+    elif isinstance(state, dict):
+        for v in state.values():
+            yield from _storages(v)
+    elif isinstance(state, (list, tuple)):
+        for v in state:
+            yield from _storages(v)
 
 
 class _Pieces:
     """A write-only file object (`write`, `tell`, `flush`: enough for `torch.save`) whose bytes
     go to `count` piece files of data file `name` in turn (the expected size split evenly,
     rounded up to `PIECE_ALIGN`; the last piece takes whatever is left), or to `name` itself when
-    `count` is 1. The open piece's writeback is started every `WRITEBACK_BYTES` on `flusher`,
-    and a full piece is flushed and fsynced there while the next is written. Its time is
-    booked into `clock` (`crc`, `write`; `booked` is their sum)."""
+    `count` is 1. Each piece is written by a thread of its own (`_Piece`), so the serializing
+    thread only hands bytes over and the pieces' CRC32C and writes run in parallel, as
+    `save()`'s files do on its writer threads. Bytes in `staged` storages are handed over in
+    place; any other bytes are copied first (torch reuses its header buffers)."""
 
     def __init__(
         self,
@@ -151,56 +210,74 @@ class _Pieces:
         count: int,
         expected: int,
         clock: PhaseClock,
-        flusher: ThreadPoolExecutor,
+        threads: PartThreads,
+        staged: _Staged | None = None,
     ) -> None:
         self._folder, self._name, self._count = folder, name, count
         self._target = -(-max(1, -(-expected // count)) // PIECE_ALIGN) * PIECE_ALIGN
-        self._clock, self._flusher = clock, flusher
+        self._clock, self._threads, self._staged = clock, threads, staged
         self._size = 0
-        self._open: tuple[str, Path, Any, _TimedWriter] | None = None
-        self._flushing: list[tuple[str, _TimedWriter, Future[None]]] = []
-        self._writeback_from = 0  # of the open piece: where its next writeback request starts
-        self._writebacks: list[Future[None]] = []  # of the open piece, in the order asked
-        self.booked = 0.0
-        self.booked_cpu = 0.0
+        self._pieces: list[_Piece] = []
+        self._open: _Piece | None = None
+        self._gathered = bytearray()  # small writes not handed over yet
+        self._failure: Exception | None = None  # the first, raised by `seal`
 
-    def _file_name(self, index: int) -> str:
-        return self._name if self._count == 1 else piece_name(self._name, index)
-
-    def _current(self) -> _TimedWriter:
+    def _current(self) -> _Piece:
         if self._open is None:
-            name = self._file_name(len(self._flushing))
-            path = self._folder / name
-            with writing(path):
-                f = open(path, "xb", buffering=_WRITE_BUFFER)  # noqa: SIM115  # closed by _durable or abandon
-            self._open = (name, path, f, _TimedWriter(_TimedFile(f, self._clock), self._clock))
-        return self._open[3]
+            index = len(self._pieces)
+            name = self._name if self._count == 1 else piece_name(self._name, index)
+            threads = self._threads
+            self._open = _Piece(
+                self._folder / name, name, self._clock, threads.writers[index], threads.flusher
+            )
+            self._pieces.append(self._open)
+        return self._open
 
     def write(self, data: Any) -> int:
+        """Take `data` (from torch's writer, or `trainer_bytes`). Never raises: an exception
+        thrown back into torch's C++ writer terminates the process (a full disk would kill the
+        rank), so the first failure is kept, the rest skipped, and `seal` raises it."""
         view = memoryview(data).cast("B")
-        done = 0
-        while done < len(view):
-            w = self._current()
-            last = len(self._flushing) == self._count - 1
-            take = len(view) - done
-            if not last:
-                take = min(take, self._target - w.tell())
-            start, cpu = time.perf_counter(), time.thread_time()
-            assert self._open is not None
-            with writing(self._open[1]):
-                w.write(view[done : done + take])
-            self.booked += time.perf_counter() - start
-            self.booked_cpu += time.thread_time() - cpu
-            done += take
-            self._size += take
-            if not last and w.tell() >= self._target:
-                self._hand_over()
+        if self._failure is not None:
+            return len(view)
+        try:
+            if len(view) < _HAND_OVER_BYTES:
+                self._gather(view)
+            elif isinstance(data, bytes) or (self._staged is not None and self._staged.holds(view)):
+                self._hand_over(view)
             else:
-                self._start_writeback()
+                self._gather(view)
+        except Exception as e:
+            self._failure = e
         return len(view)
 
+    def _gather(self, view: memoryview) -> None:
+        self._gathered += view
+        if len(self._gathered) >= _WRITE_BUFFER:
+            self._hand_over_gathered()
+
+    def _hand_over_gathered(self) -> None:
+        if self._gathered:
+            gathered, self._gathered = self._gathered, bytearray()
+            self._hand_over(memoryview(gathered))
+
+    def _hand_over(self, view: memoryview) -> None:
+        """Give `view` to the open piece (and those after it once a piece is full), in order."""
+        self._hand_over_gathered()
+        done = 0
+        while done < len(view):
+            piece = self._current()
+            last = len(self._pieces) == self._count
+            take = len(view) - done if last else min(len(view) - done, self._target - piece.size)
+            piece.write(view[done : done + take])
+            done += take
+            self._size += take
+            if not last and piece.size >= self._target:
+                piece.seal()
+                self._open = None
+
     def tell(self) -> int:
-        return self._size
+        return self._size + len(self._gathered)
 
     def flush(self) -> None:
         """Nothing: each piece is flushed when it is full, the last one by `seal`."""
@@ -212,16 +289,84 @@ class _Pieces:
         return False
 
     def seal(self) -> None:
-        """The data file is complete: hand over its last piece (an empty file if nothing was
-        written at all)."""
-        self._current()
-        self._hand_over()
+        """The data file is complete: hand over what is gathered and seal the last piece (an
+        empty file if nothing was written at all). Raises the first failure of `write`."""
+        if self._failure is not None:
+            raise self._failure
+        self._hand_over_gathered()
+        self._current().seal()
+        self._open = None
+
+    def entries(self) -> dict[str, FileEntry]:
+        """Size and CRC32C of every piece, once all are durable (waits for their threads)."""
+        return {piece.name: piece.entry() for piece in self._pieces}
+
+    def abandon(self) -> None:
+        """Wait for every piece's thread and close its file (after a failure: the part then
+        never counts; after success: nothing is left to do)."""
+        for piece in self._pieces:
+            piece.abandon()
+
+
+class _Piece:
+    """One piece file, written in the order its bytes were handed over, by one `writer`
+    thread: CRC32C and write (booked as `crc` and `write`), a writeback request to `flusher` per
+    `WRITEBACK_BYTES`; once sealed, flushed, fsynced and closed there. The first failure stops
+    its writes; `entry` raises it."""
+
+    def __init__(
+        self,
+        path: Path,
+        name: str,
+        clock: PhaseClock,
+        writer: ThreadPoolExecutor,
+        flusher: ThreadPoolExecutor,
+    ) -> None:
+        self.path, self.name, self.size = path, name, 0
+        with writing(path):
+            self._f = open(path, "xb", buffering=_WRITE_BUFFER)  # noqa: SIM115  # closed by _finish
+        self._writer = _TimedWriter(_TimedFile(self._f, clock), clock)
+        self._thread, self._flusher = writer, flusher
+        self._writeback_from = 0  # where the next writeback request starts
+        self._writebacks: list[Future[None]] = []
+        self._error: BaseException | None = None
+        self._done: Future[None] | None = None
+
+    def write(self, view: memoryview) -> None:
+        """Hand `view` over (it must stay valid until the piece is durable)."""
+        self.size += len(view)
+        self._thread.submit(self._write, view)
+
+    def seal(self) -> None:
+        """No more bytes: flush, fsync and close once the writes are done."""
+        self._done = self._thread.submit(self._finish)
+
+    def entry(self) -> FileEntry:
+        """Size and CRC32C, once durable; raises what failed."""
+        assert self._done is not None, "sealed first"
+        self._done.result()
+        return self._writer.entry()
+
+    def abandon(self) -> None:
+        if self._done is None:
+            self.seal()
+        assert self._done is not None
+        self._done.exception()
+
+    def _write(self, view: memoryview) -> None:
+        if self._error is not None:
+            return
+        try:
+            with writing(self.path):
+                self._writer.write(view)
+            self._start_writeback()
+        except BaseException as e:  # kept for `entry`; the piece's later writes are skipped
+            self._error = e
 
     def _start_writeback(self) -> None:
-        """Once `WRITEBACK_BYTES` more of the open piece are in the kernel, ask it (on the
-        flusher: the request may wait for the disk's queue) to start writing them out."""
-        assert self._open is not None
-        fd = self._open[2].fileno()
+        """Once `WRITEBACK_BYTES` more are in the kernel, ask it (on the flusher: the request
+        may wait for the disk's queue) to start writing them out."""
+        fd = self._f.fileno()
         written = os.lseek(fd, 0, os.SEEK_CUR)  # past the file object's own buffer
         if written - self._writeback_from >= WRITEBACK_BYTES:
             self._writebacks.append(
@@ -229,51 +374,26 @@ class _Pieces:
             )
             self._writeback_from = written
 
-    def _hand_over(self) -> None:
-        """Flush the open piece's buffer here, its fsync and close on the flusher."""
-        assert self._open is not None
-        name, path, f, w = self._open
-        start, cpu = time.perf_counter(), time.thread_time()
-        with writing(path):
-            w.flush()  # if this fails, the piece stays open and `abandon` closes it
-        self.booked += time.perf_counter() - start
-        self.booked_cpu += time.thread_time() - cpu
-        self._open = None
-        writebacks, self._writebacks, self._writeback_from = self._writebacks, [], 0
-        self._flushing.append((name, w, self._flusher.submit(_durable, path, f, writebacks)))
-
-    def entries(self) -> dict[str, FileEntry]:
-        """Size and CRC32C of every piece, once all are durable (waits for the flushes)."""
-        out = {}
-        for name, w, done in self._flushing:
-            done.result()
-            out[name] = w.entry()
-        return out
-
-    def abandon(self) -> None:
-        """Close what is still open (after a failure; the part then never counts)."""
-        if self._open is not None:
+    def _finish(self) -> None:
+        """fsync and close, once the writeback requests on the descriptor are done (none may
+        reach a descriptor closed and reused meanwhile). After a failure the file is closed
+        quietly: its buffer cannot be written either, and the first failure is the one that
+        names what went wrong."""
+        try:
+            if self._error is not None:
+                raise self._error
+            with writing(self.path):
+                self._writer.flush()
+                for writeback in self._writebacks:
+                    writeback.exception()
+                os.fsync(self._f.fileno())
+                self._f.close()
+        except BaseException:
             for writeback in self._writebacks:
-                writeback.exception()  # wait: its file descriptor stays open until then
-            self._writebacks = []
-            self._open[2].close()
-            self._open = None
-        for _name, _w, done in self._flushing:
-            done.exception()  # wait: no file is closed under its flush
-
-
-def _durable(path: Path, f: Any, writebacks: list[Future[None]]) -> None:
-    """fsync and close a flushed file (on a flusher thread), once the writeback requests on
-    its descriptor are done (no request may reach a descriptor closed and reused meanwhile).
-    They were submitted before this job, so they have all been started by the time it runs:
-    waiting for them here never waits for the pool."""
-    try:
-        for writeback in writebacks:
-            writeback.exception()
-        with writing(path):
-            os.fsync(f.fileno())
-    finally:
-        f.close()
+                writeback.exception()
+            with contextlib.suppress(OSError):
+                self._f.close()
+            raise
 
 
 _SYNC_FILE_RANGE_WRITE = 2
@@ -391,26 +511,6 @@ class PartWriter:
             check_entry(entries.get(name), want, str(self._folder / name))
         write_local_record(self._folder / PART_FILE, part)
         _fsync_up_to(self._folder, self._root)
-
-
-def _torch_save_without_zip_crc(obj: Any, f: Any) -> None:
-    """`torch.save(obj, f)` without the CRC32 torch's zip writer computes of every record (a
-    second pass over every byte, about a third of the write's time). `torch.load` does not
-    need it, and the part's CRC32C covers every byte of the file. This goes through torch's
-    private `_save` (what `torch.save` runs with `set_crc32_options(False)`, which is
-    process-wide and would race with the training thread's own `torch.save` calls); a torch
-    without it gets a plain `torch.save`."""
-    serialization: Any = torch.serialization
-    try:
-        writer = torch._C.PyTorchFileWriter(
-            cast(Any, f), False, serialization._get_storage_alignment()
-        )
-        save = serialization._save
-    except (AttributeError, TypeError):
-        torch.save(obj, f)  # type: ignore[arg-type]  # a write-only file
-        return
-    save(obj, writer, pickle, serialization.DEFAULT_PROTOCOL, False)
-    writer.write_end_of_file()
 
 
 def _fsync_up_to(folder: Path, root: Path) -> None:

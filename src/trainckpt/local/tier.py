@@ -45,7 +45,6 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,7 +69,7 @@ from trainckpt.local.layout import (
 )
 from trainckpt.local.part_check import PrivateCopy, copy_own, load_part
 from trainckpt.local.part_read import PartReader
-from trainckpt.local.part_write import PartWriter, max_pieces, write_own_part
+from trainckpt.local.part_write import PartThreads, PartWriter, write_own_part
 from trainckpt.local.receive import Placement, receive_missing
 from trainckpt.local.replica_file import decide, read_mode
 from trainckpt.local.retention import clean_leftovers, start_retention
@@ -102,9 +101,8 @@ class LocalTier:
     _deleting: bool = field(default=False, init=False)
     """A save committed since the last `open`: some disk's first rank may still be deleting
     (the same on every rank)."""
-    _flusher: ThreadPoolExecutor | None = field(default=None, init=False)
-    """The threads that fsync the own part's files and new folders, kept from save to save
-    (starting threads anew cost each save a few ms on a busy machine)."""
+    _threads: PartThreads | None = field(default=None, init=False)
+    """The threads the own parts are written with, started by the first save."""
 
     # -- start-up -------------------------------------------------------------------------------
     def open(self, *, synced: bool = False) -> None:
@@ -180,7 +178,15 @@ class LocalTier:
         error: Exception | None = None
         try:
             part = write_own_part(
-                self.root, rank, step, attempt, state, trainer_bytes, world, clock, self._flush()
+                self.root,
+                rank,
+                step,
+                attempt,
+                state,
+                trainer_bytes,
+                world,
+                clock,
+                self._part_threads(),
             )
         except Exception as e:
             error = e
@@ -266,19 +272,14 @@ class LocalTier:
         """Wait for the last save's deletions: a process may exit right after. Called on: each
         rank, by `Checkpointer.close()`."""
         self.wait_for_retention()
-        if self._flusher is not None:
-            self._flusher.shutdown(wait=True)
-            self._flusher = None
+        if self._threads is not None:
+            self._threads.close()
+            self._threads = None
 
-    def _flush(self) -> ThreadPoolExecutor:
-        """The threads that fsync the own part's files and folders (one per piece, the trainer
-        state's, the new folders'), started by the first save and kept until `close`. They
-        wait on the disk, and take next to no CPU."""
-        if self._flusher is None:
-            self._flusher = ThreadPoolExecutor(
-                max_pieces() + 2, thread_name_prefix="trainckpt-local-flush"
-            )
-        return self._flusher
+    def _part_threads(self) -> PartThreads:
+        if self._threads is None:
+            self._threads = PartThreads()
+        return self._threads
 
     def _warn_thin_replication(self, transfers: list[Transfer], world: int) -> None:
         """Warn once (rank 0) when some part has no replica on another disk."""

@@ -22,7 +22,7 @@ from typing import Any
 
 import google_crc32c
 
-from trainckpt.storage.checksums import FileEntry
+from trainckpt.storage.checksums import FileEntry, crc32c_combine
 from trainckpt.storage.local import writing
 
 _CHUNK = 8 << 20
@@ -31,6 +31,11 @@ cache, and the training thread gets the interpreter lock between chunks."""
 
 _BUFFER = 1 << 20
 """Small writes (torch.save's headers) are buffered; large ones go straight to the kernel."""
+
+_COMBINE_FROM = 4 << 20
+"""A chunk of a part this large is CRC'd once and combined into the file's CRC32C: the
+combination (a few GF(2) products in Python, holding the interpreter lock) costs less than a
+second pass over this many bytes."""
 
 
 class _PyBuffer(ctypes.Structure):
@@ -94,6 +99,12 @@ def _address(view: memoryview) -> Iterator[int]:
         ctypes.pythonapi.PyBuffer_Release(ctypes.byref(buf))
 
 
+def buffer_address(view: memoryview) -> int:
+    """The address of a contiguous buffer's first byte (valid while what it views lives)."""
+    with _address(view) as address:
+        return address
+
+
 def crc32c_extend(crc: int, view: memoryview) -> int:
     """The CRC32C `crc` extended by the bytes of `view` (a contiguous byte view). Large views
     are read in place without the interpreter lock when the native library is there."""
@@ -105,10 +116,12 @@ def crc32c_extend(crc: int, view: memoryview) -> int:
 
 class ChecksummedWriter:
     """Write-only, sequential file object (`write`, `tell`, `flush`) that tracks CRC32C and size,
-    of the whole file and of the part written since `start_part()`.
+    of the whole file and of the part written since `start_part()` (until `part()`).
 
-    Enough of a file for `torch.save` and DCP's item writer. Not thread-safe: one writer thread
-    per file.
+    Enough of a file for `torch.save` and DCP's item writer. Every byte is read once for its
+    checksums: outside a part only the file's CRC32C is extended; inside one, a large chunk's
+    CRC32C is computed once and combined into both (`crc32c_combine`), a small one's extends
+    both. Not thread-safe: one writer thread per file.
     """
 
     def __init__(self, f: Any) -> None:
@@ -117,14 +130,23 @@ class ChecksummedWriter:
         self._size = 0
         self._part_crc = 0
         self._part_start = 0
+        self._in_part = False
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         n = len(view)
         for start in range(0, n, _CHUNK):
             chunk = view[start : start + _CHUNK]
-            self._crc = crc32c_extend(self._crc, chunk)
-            self._part_crc = crc32c_extend(self._part_crc, chunk)
+            if not self._in_part:
+                self._crc = crc32c_extend(self._crc, chunk)
+            elif len(chunk) >= _COMBINE_FROM:
+                crc = crc32c_extend(0, chunk)
+                self._crc = crc32c_combine(self._crc, crc, len(chunk))
+                fresh = self._size + start == self._part_start
+                self._part_crc = crc if fresh else crc32c_combine(self._part_crc, crc, len(chunk))
+            else:
+                self._crc = crc32c_extend(self._crc, chunk)
+                self._part_crc = crc32c_extend(self._part_crc, chunk)
             written = 0
             while written < len(chunk):  # a large write to a regular file may be partial
                 written += self._f.write(chunk[written:])
@@ -145,10 +167,11 @@ class ChecksummedWriter:
 
     def start_part(self) -> None:
         """Start a new part (a DCP item): `part()` then covers what is written from here."""
-        self._part_crc, self._part_start = 0, self._size
+        self._part_crc, self._part_start, self._in_part = 0, self._size, True
 
     def part(self) -> tuple[int, int, int]:
-        """Offset, length and CRC32C of the part written since `start_part()`."""
+        """Offset, length and CRC32C of the part written since `start_part()`, which ends it."""
+        self._in_part = False
         return self._part_start, self._size - self._part_start, self._part_crc
 
     def entry(self) -> FileEntry:

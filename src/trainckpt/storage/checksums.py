@@ -4,6 +4,7 @@ digits (what the manifest records), and GCS's base64 form of it."""
 from __future__ import annotations
 
 import base64
+import functools
 from pathlib import Path
 
 import google_crc32c
@@ -44,3 +45,42 @@ def crc32c_from_gcs(b64: str) -> str:
 
 def crc32c_to_gcs(hex8: str) -> str:
     return base64.b64encode(bytes.fromhex(hex8)).decode()
+
+
+_CRC32C_POLY = 0x82F63B78
+"""The CRC32C polynomial, bit-reflected."""
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC32C of A + B from CRC32C(A), CRC32C(B) and len(B) (zlib's `crc32_combine`: the
+    register of A run through `len2` zero bytes, as GF(2) matrix powers, then B's CRC)."""
+    k = 0
+    while len2:
+        if len2 & 1:
+            crc1 = _times(_zero_bytes(k), crc1)
+        len2 >>= 1
+        k += 1
+    return crc1 ^ crc2
+
+
+@functools.cache
+def _zero_bytes(k: int) -> tuple[int, ...]:
+    """The GF(2) matrix (32 columns) that runs a CRC32C register through 2**k zero bytes."""
+    if k > 0:
+        return _square(_zero_bytes(k - 1))
+    one_bit = (_CRC32C_POLY, *(1 << n for n in range(31)))
+    return _square(_square(_square(one_bit)))
+
+
+def _times(matrix: tuple[int, ...], vector: int) -> int:
+    out, i = 0, 0
+    while vector:
+        if vector & 1:
+            out ^= matrix[i]
+        vector >>= 1
+        i += 1
+    return out
+
+
+def _square(matrix: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(_times(matrix, column) for column in matrix)
