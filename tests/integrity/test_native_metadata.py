@@ -151,12 +151,36 @@ def test_a_minimal_record_is_read() -> None:
     assert md.storage_data == {MetadataIndex("w", [0]): _StorageInfo("__0_0.distcp", 0, 100)}
 
 
+def test_a_header_is_read_in_place_as_utf8_and_its_container_count_bounded() -> None:
+    """The header is decoded from the record's bytes without slicing them first
+    (`_Decoder.metadata`): names outside ASCII still read back, and the containers are
+    counted within the header only, not in the chunk table after it."""
+    name = "w\u00e9\u4e2d"
+    head = json.dumps(
+        _header(tensors=[[name, "float32", False, False, [4], 1]]), ensure_ascii=False
+    )
+    md = native_metadata.decode(_record(head.encode(), GOOD_INTS), "ok")
+    assert list(md.state_dict_metadata) == [name]
+    # A table of `[` bytes (0x5b) after a short header: counted, it would exceed the bound
+    brackets = b"[" * 8 * 64
+    record = _record(
+        _header(tensors=[["w", "float32", False, False, [4], 64 + 1]], ints=6 * 65 + 64),
+        GOOD_INTS * 65 + brackets,
+    )
+    with pytest.raises(CorruptCheckpointError) as refused:
+        native_metadata.decode(record, "rec")
+    assert "lists and objects" not in str(refused.value)
+
+
 CRAFTED: dict[str, tuple[bytes, str]] = {
     "a pickle": (pickle.dumps({"a": 1}), "magic"),
     "truncated": (native_metadata.MAGIC + b"\x01", "truncated"),
     "header past the end": (native_metadata.MAGIC + (10**9).to_bytes(8, "little"), "header"),
     "header not JSON": (_record(b"{not json"), "not JSON"),
     "header not an object": (_record(b"[1, 2]"), "exactly the fields"),
+    "header not UTF-8": (_record(b'{"version": 1, "\xff": 0}'), "not JSON.*UnicodeDecodeError"),
+    # `json.loads` of the bytes guessed UTF-16 and read this; the record is UTF-8 (ASCII) only
+    "header in UTF-16": (_record(json.dumps(_header()).encode("utf-16-le"), GOOD_INTS), "JSON"),
     "an extra field": (_record(_header(code="import os"), GOOD_INTS), "exactly the fields"),
     "another version": (_record(_header(version=2), GOOD_INTS), "version"),
     "ints not the table": (_record(_header(ints=7), GOOD_INTS), "'ints'"),

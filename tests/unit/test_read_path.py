@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import io
 import json
 import math
 import pickle
@@ -19,7 +20,13 @@ import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata
 
-from trainckpt.core.dcp import _flat_plain, _SafeLoadPlanner, load_state, save_state
+from trainckpt.core.dcp import (
+    _flat_paths,
+    _flat_plain,
+    _SafeLoadPlanner,
+    load_state,
+    save_state,
+)
 from trainckpt.errors import CorruptCheckpointError
 from trainckpt.format import native_metadata
 from trainckpt.format.dcp_metadata import read_dcp_metadata
@@ -133,7 +140,7 @@ def test_the_flat_state_and_mappings_are_dcps() -> None:
     assert flat is not None
     expected, mappings = flatten_state_dict(state)
     assert list(flat[0]) == list(expected) and all(flat[0][k] is expected[k] for k in expected)
-    assert flat[1] == mappings
+    assert _flat_paths(flat[0], flat[1]) == mappings
     for fqn, (parent, key) in flat[2].items():
         assert parent[key] is expected[fqn]
 
@@ -174,7 +181,30 @@ def test_the_flattening_leaves_no_garbage_for_the_collector() -> None:
     assert _flat_plain(deep) is None
     nested = {"a": {"b": {"c": 1}, "d": 2}, "e": {"f": {}}, "g": 3}
     flat = _flat_plain(nested)
-    assert flat is not None and flat[1] == flatten_state_dict(nested)[1]
+    assert flat is not None and _flat_paths(*flat[:2]) == flatten_state_dict(nested)[1]
+
+
+def test_the_planners_mappings_are_dcps_made_on_first_use() -> None:
+    """The planner makes DCP's mappings (flat key -> path) only when something reads them: a
+    whole plain state is loaded through its slots. Made, they are DCP's, also where a dict's
+    values come before and after a nested dict (two runs of one dict)."""
+    state: dict[str, Any] = {
+        "a": 1,
+        "b": {"c": torch.zeros(1), "d": {"e": 2.0}, "f": "x", "g.h": None},
+        "i": {"j": {}, "k": 3},
+        "l": (4, 5),
+    }
+    planner = _SafeLoadPlanner(direct=True)
+    planner.set_up_planner(state)
+    assert planner._mappings is None  # not made yet
+    assert planner.mappings == flatten_state_dict(state)[1]
+    saved = io.BytesIO()
+    torch.save("y", saved)
+    planner.load_plain_values([("b.f", saved.getvalue())])
+    assert state["b"]["f"] == "y"
+    other = _SafeLoadPlanner()
+    other.mappings = {"x": ("x",)}  # DCP sets them, e.g. for a checkpoint of PyTorch 2.3
+    assert other.mappings == {"x": ("x",)}
 
 
 def test_two_paths_to_one_key_still_fail_as_in_dcp() -> None:
@@ -334,3 +364,33 @@ def test_equal_mutable_values_load_as_separate_objects(tmp_path: Path) -> None:
     out["v1"][0] = 7
     assert all(out[f"v{i}"] == [1, 2, 3] for i in range(2, 6))
     assert len({id(out[f"v{i}"]) for i in range(6)}) == 6
+
+
+def test_equal_values_past_a_short_read_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Equal byte values are compared in the reading thread's buffer, which is reused from
+    span to span: a read that returns less than asked (a file changed while read) must not
+    let the bytes an earlier span left in the buffer pass for the missing items."""
+    from trainckpt.format import shard_reader
+
+    state: dict[str, Any] = {"optim": {"param_groups": {f"p{i}.lr": 0.001 for i in range(60)}}}
+    save_state(state, tmp_path / "dcp", group=None, thread_count=1)
+    md = read_dcp_metadata(LocalStorage(), str(tmp_path / "dcp"))
+    length = {s.length for s in md.storage_data.values()}.pop()
+    monkeypatch.setattr(shard_reader, "_SPAN_BYTES", 10 * length)  # spans of equal layout
+    real = shard_reader._ItemBuffer.read
+    reads: list[int] = []
+
+    def second_read_short(buffer: Any, file_slice: Any, n: int) -> Any:
+        got = real(buffer, file_slice, n)
+        reads.append(n)
+        if len(reads) == 2:  # the first span's bytes are still in the buffer past this one
+            buffer._lent = got[: len(got) - 5 * length]
+            return buffer._lent
+        return got
+
+    monkeypatch.setattr(shard_reader._ItemBuffer, "read", second_read_short)
+    with pytest.raises(CorruptCheckpointError, match=r"item 'optim\.param_groups\.p\d+\.lr'"):
+        _save_load(tmp_path, state)
+    assert len(reads) == 2 and reads[0] == reads[1] == 10 * length

@@ -316,6 +316,9 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
     `ShardedTensor`s when it holds none, and a value that needs no resharding gets its read
     item directly (`_whole_read_item`), not through DCP's general overlap search."""
 
+    _mappings: dict[str, tuple[str | int, ...]] | None
+    """DCP's mappings, or None until first read after the one-pass flattening."""
+
     def __init__(self, folder: str = "", direct: bool = False) -> None:
         """With `direct`, values that need no resharding are not put in the plan as read
         items but listed in `direct_items`: only a reader that loads those (`ParallelReader`)
@@ -327,6 +330,7 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
         self.direct_items: list[tuple[str, torch.Tensor | None]] = []
         """(name, the whole plain tensor to copy into, or None for a byte value)."""
         self._slots: dict[str, tuple[dict[str, Any], str]] = {}
+        self._paths: tuple[dict[str, Any], _Runs] = ({}, [])
 
     def set_up_planner(
         self,
@@ -340,11 +344,28 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
             self.flatten_sharded_tensors = _holds_sharded_tensor(state_dict)
             super().set_up_planner(state_dict, metadata, is_coordinator)
             return
-        # What DCP's `set_up_planner` makes of such a state, in one pass over it
+        # What DCP's `set_up_planner` makes of such a state, in one pass over it; DCP's
+        # `mappings` (a path per entry) only on first use (`mappings`)
         self.original_state_dict = state_dict
-        self.state_dict, self.mappings, self._slots = flat
+        self.state_dict, runs, self._slots = flat
+        self._mappings = None
+        self._paths = (self.state_dict, runs)
         self.metadata = metadata
         self.is_coordinator = is_coordinator
+
+    @property  # type: ignore[override]
+    def mappings(self) -> dict[str, tuple[str | int, ...]]:
+        """DCP's flat key -> path of the state being loaded. After the one-pass flattening
+        (`_flat_plain`) it is made on first use: a load of a whole plain state never reads
+        it (values go to their `_slots`), and making it was a tuple and an insertion into a
+        dict of every entry (hundreds of thousands at 64,000 entries, each a cache miss)."""
+        if self._mappings is None:
+            self._mappings = _flat_paths(*self._paths)
+        return self._mappings
+
+    @mappings.setter
+    def mappings(self, value: dict[str, tuple[str | int, ...]]) -> None:
+        self._mappings = value
 
     def create_local_plan(self) -> LoadPlan:
         assert self.metadata is not None
@@ -475,21 +496,25 @@ _PLAIN_LEAVES = frozenset({int, float, bool, str, bytes, complex, tuple, type(No
 _Slots = dict[str, tuple[dict[str, Any], str]]
 """For each flat key, the dict that holds its value and the key there."""
 
+_Runs = list[tuple[tuple[str, ...], int, int]]
+"""The flat keys in runs of one dict's values: (the dict's path, the length of its flat
+prefix, the index of the run's first flat key). DCP's mappings follow from them
+(`_flat_paths`)."""
 
-def _flat_plain(
-    state: dict[str, Any],
-) -> tuple[dict[str, Any], dict[str, tuple[str | int, ...]], _Slots] | None:
+
+def _flat_plain(state: dict[str, Any]) -> tuple[dict[str, Any], _Runs, _Slots] | None:
     """What DCP's flattening (`flatten_state_dict`) makes of `state`, when `state` is nested
     plain dicts with string keys down to whole CPU/GPU tensors (`torch.Tensor` or `Parameter`,
-    not on the meta device) and plain values (`_PLAIN_LEAVES`): the flat state, DCP's
-    mappings (flat key -> path), and for each flat key the dict and key that hold it. None for
-    anything else (DTensors, ShardedTensors, lists, meta tensors, non-string keys, two paths
-    with one flat key): DCP then flattens it, and raises its errors. One pass, no per-entry
-    calls: at tens of thousands of entries, DCP's traversal was a tenth of a load."""
+    not on the meta device) and plain values (`_PLAIN_LEAVES`): the flat state, the runs that
+    make DCP's mappings (flat key -> path; `_flat_paths`), and for each flat key the dict and
+    key that hold it. None for anything else (DTensors, ShardedTensors, lists, meta tensors,
+    non-string keys, two paths with one flat key): DCP then flattens it, and raises its
+    errors. One pass, no per-entry calls: at tens of thousands of entries, DCP's traversal
+    was a tenth of a load."""
     if type(state) is not dict or _version._derived_version is not None:
         return None
     flat: dict[str, Any] = {}
-    mappings: dict[str, tuple[str | int, ...]] = {}
+    runs: _Runs = []
     slots: _Slots = {}
     tensors = _PLAIN_TENSORS
     leaves = _PLAIN_LEAVES
@@ -500,6 +525,7 @@ def _flat_plain(
         (iter(state.items()), state, (), "")
     ]
     depth = 0
+    last: dict[str, Any] | None = None  # the dict of the last run
     while stack:
         items, d, path, prefix = stack[-1]
         for key, value in items:
@@ -520,13 +546,28 @@ def _flat_plain(
             fqn = prefix + key
             if fqn in flat:
                 return None
+            if d is not last:
+                runs.append((path, len(prefix), len(flat)))
+                last = d
             flat[fqn] = value
-            mappings[fqn] = (*path, key)
             slots[fqn] = (d, key)
         else:
             stack.pop()
             depth -= 1
-    return flat, mappings, slots
+    return flat, runs, slots
+
+
+def _flat_paths(flat: dict[str, Any], runs: _Runs) -> dict[str, tuple[str | int, ...]]:
+    """DCP's mappings (flat key -> the path of keys to its value) of a state that
+    `_flat_plain` walked into `flat` and `runs`: each key is its run's path plus what
+    follows the run's flat prefix."""
+    keys = list(flat)
+    mappings: dict[str, tuple[str | int, ...]] = {}
+    starts = [start for _, _, start in runs]
+    for (path, cut, start), stop in zip(runs, [*starts[1:], len(keys)], strict=False):
+        for fqn in keys[start:stop]:
+            mappings[fqn] = (*path, fqn[cut:])
+    return mappings
 
 
 _MAX_DEPTH = 900

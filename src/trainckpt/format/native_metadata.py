@@ -361,15 +361,19 @@ class _Decoder:
             head_len <= min(MAX_HEADER_BYTES, len(data) - _PREFIX),
             f"its header length {head_len} exceeds the file or {MAX_HEADER_BYTES} bytes",
         )
-        head = data[_PREFIX : _PREFIX + head_len]
-        containers = head.count(b"[") + head.count(b"{")
+        end = _PREFIX + head_len
+        containers = data.count(b"[", _PREFIX, end) + data.count(b"{", _PREFIX, end)
         self.check(
             containers * BYTES_PER_CONTAINER <= max(head_len, 64),
             f"its header has {containers} lists and objects in {head_len} bytes",
         )
         try:
-            header = json.loads(head)
-        except (ValueError, RecursionError) as e:
+            # One copy of the header, as text, decoded from `data` in place: `json.loads` of a
+            # slice copied it twice (the slice, then its text), tens of MB of fresh pages per
+            # load at tens of thousands of entries (docs/scale.md, "Where the load's cost per
+            # entry grows"). The record is written as ASCII JSON (`_json`).
+            header = json.loads(str(memoryview(data)[_PREFIX:end], "utf-8"))
+        except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
             raise self.fail(f"its header is not JSON ({type(e).__name__})") from None
         h = self.fields(
             header,

@@ -244,6 +244,8 @@ class ParallelReader(FileSystemReader):
                 got = buffer.read(self._slice_file(stream, whole), end - start)
                 data = memoryview(got)
                 address = buffer.address(got)  # where `data` is, if in the thread's buffer
+                base = buffer.whole(got)  # `base.startswith(b, at)`: `data[at:]` vs `b`
+                size = len(data)
                 listed = record.items.get
                 values: list[tuple[str, bytes]] = []  # the span's byte values, handed on at once
                 add_value = values.append
@@ -254,8 +256,17 @@ class ParallelReader(FileSystemReader):
                         fqn, target = req
                         expected = listed(offset)
                         if target is None:
-                            raw = data[at : at + length].tobytes()
                             same = seen(expected)  # type: ignore[arg-type]
+                            if (
+                                same is not None
+                                and base is not None
+                                and len(same) == length
+                                and at + length <= size  # not the reused buffer's old bytes
+                                and base.startswith(same, at)
+                            ):  # the bytes of an item that had this CRC32C, compared in place
+                                add_value((fqn, same))
+                                continue
+                            raw = data[at : at + length].tobytes()
                             if same is not None and same == raw:
                                 raw = same  # the bytes of an item that had this CRC32C
                             else:
@@ -567,6 +578,15 @@ class _ItemBuffer:
             got += n
         self._lent = view[:got]
         return self._lent
+
+    def whole(self, data: bytes | memoryview) -> bytes | bytearray | None:
+        """The bytes object whose first byte is `data`'s first, if `data` is what `read`
+        returned last (or bytes): its `startswith(b, at)` compares `data[at:]` with `b`
+        without copying it. Past `len(data)` it may hold older bytes (the buffer is reused
+        from span to span): callers compare only within `len(data)`."""
+        if data is self._lent:
+            return self._buf
+        return data if type(data) is bytes else None
 
     def address(self, data: bytes | memoryview) -> int | None:
         """The address in memory of the first byte of `data` if it is what `read` returned
