@@ -204,12 +204,16 @@ def test_small_items_written_together_each_keep_their_place_and_crc32c(
 ) -> None:
     """Small items are gathered into batched writes (`_SmallItems`, here of 4 KiB), between
     items written on their own (a first tensor of its kind, a large one): every item's span
-    and CRC32C in the item record are those of its bytes in the file."""
+    and CRC32C in the item record are those of its bytes in the file. Equal small items (a
+    flattened optimizer state's hyperparameters, equal step counters) share one place, also
+    across batches; distinct ones never overlap, and nothing else is in the file."""
     monkeypatch.setattr(shard_writer._SmallItems, "BATCH", 4096)
     repeated = b"r" * 700  # a flattened optimizer state's equal hyperparameters
+    step = torch.tensor(7.0)  # AdamW's step counters: equal small tensors
     items: list[shard_writer.ItemData] = []
     for i in range(12):
         items += [repeated, torch.randn(16, 16), f"value {i}".encode() * 40, repeated]
+        items += [step.clone(), f"value {i % 3}".encode() * 40]
         if i == 5:
             items.append(torch.randn(300_000))  # over ItemTemplates.SMALL: written alone
     done = shard_writer.write_shard(tmp_path, "s.distcp", iter(items), "id", fsync=False)
@@ -218,17 +222,24 @@ def test_small_items_written_together_each_keep_their_place_and_crc32c(
     with open(path, "rb") as f:
         record = shard_checksums.read(f, str(path))
     assert done.entry == crc32c_file(path)
-    assert len(done.spans) == len(items) == len(record.items)
-    end = 0
+    assert len(done.spans) == len(items)
+    places: dict[tuple[int, int], bytes] = {}
     for item, (offset, length) in zip(items, done.spans, strict=True):
-        assert offset == end  # one after another, none lost or doubled
-        end = offset + length
-        part = data[offset:end]
+        part = data[offset : offset + length]
         assert record.items[offset] == (length, google_crc32c.value(part))
         if isinstance(item, bytes):
             assert part == item
         else:
             assert torch.equal(torch.load(io.BytesIO(part), weights_only=True), item)
+        places[(offset, length)] = part
+    assert sorted(set(record.items)) == sorted(o for o, _n in places)
+    assert len(places) == len(set(places.values()))  # each distinct item once
+    assert len([s for s in done.spans if s == done.spans[0]]) == 24  # `repeated`, shared
+    end = 0
+    for offset, length in sorted(places):  # the distinct items tile the data, in order
+        assert offset == end
+        end = offset + length
+    assert data[end : end + 9] == b'{"file": '  # then the item record, nothing between
 
 
 def test_items_go_to_files_as_dcps_own_writer_splits_them() -> None:

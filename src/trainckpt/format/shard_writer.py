@@ -488,7 +488,14 @@ class _SmallItems:
     distinct byte item's computed once: a flattened optimizer state repeats its values), one
     write and one CRC32C of the file's bytes per batch, where writing each item on its own
     cost a file write and two checksum calls per item. Items come in runs, whose places and
-    checksums are computed by C loops (`map`, `accumulate`), not a Python step per item."""
+    checksums are computed by C loops (`map`, `accumulate`), not a Python step per item.
+
+    A small item whose bytes equal one already in the file is not written again: its place
+    is that item's (DCP's `.metadata` maps each item to an offset and a length, and nothing
+    asks them to be disjoint; every reader reads each item's range on its own). A flattened
+    optimizer state holds thousands of equal hyperparameters of about 1.2 KB each (a
+    `torch.save` of a float), and the AdamW step counters are equal tensors: at 64,000 state
+    entries that was most of the bytes written and read back (docs/scale.md)."""
 
     BATCH = 1 << 20
 
@@ -497,31 +504,40 @@ class _SmallItems:
         self._pending: list[bytes] = []
         self._size = 0
         self._crcs: dict[bytes, int] = {}
+        self._placed: dict[bytes, tuple[int, int, int]] = {}
+        """Small items written to this file (or pending), by their bytes: (offset, length,
+        CRC32C)."""
 
     def add_items(self, items: list[bytes]) -> None:
-        """Append tensors' items, in order."""
-        self._extend(items, list(map(google_crc32c.value, items)))
+        """Append tensors' items, in order (equal ones shared)."""
+        self._extend(items, None)
 
     def add_values(self, items: list[bytes]) -> None:
         """Append byte items, in order; the CRC32C of equal small items is computed once."""
-        known = self._crcs
-        crc_of: dict[bytes, int] = {}
-        for data in set(items):
-            crc = known.get(data)
-            if crc is None:
-                crc = google_crc32c.value(data)
-                if len(data) <= plain_values.MAX_ITEM_BYTES:
-                    known[data] = crc
-            crc_of[data] = crc
-        self._extend(items, list(map(crc_of.__getitem__, items)))
+        self._extend(items, self._crcs)
 
-    def _extend(self, items: list[bytes], crcs: list[int]) -> None:
-        lengths = list(map(len, items))
-        # each item's offset, then where the last one ends (left out by zip)
-        offsets = itertools.accumulate(lengths, initial=self._out.tell() + self._size)
-        self._parts.extend(zip(offsets, lengths, crcs, strict=False))
-        self._pending += items
-        self._size += sum(lengths)
+    def _extend(self, items: list[bytes], known: dict[bytes, int] | None) -> None:
+        placed = self._placed
+        new = [data for data in dict.fromkeys(items) if data not in placed]
+        if new:
+            if known is None:
+                crcs = list(map(google_crc32c.value, new))
+            else:
+                crcs = []
+                for data in new:
+                    crc = known.get(data)
+                    if crc is None:
+                        crc = google_crc32c.value(data)
+                        if len(data) <= plain_values.MAX_ITEM_BYTES:
+                            known[data] = crc
+                    crcs.append(crc)
+            lengths = list(map(len, new))
+            # each new item's offset, then where the last one ends (left out by zip)
+            offsets = itertools.accumulate(lengths, initial=self._out.tell() + self._size)
+            placed.update(zip(new, zip(offsets, lengths, crcs, strict=False), strict=True))
+            self._pending += new
+            self._size += sum(lengths)
+        self._parts.extend(map(placed.__getitem__, items))
         if self._size >= self.BATCH:
             self.flush()
 

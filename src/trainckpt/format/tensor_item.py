@@ -82,19 +82,11 @@ class ItemTemplates:
         if kind is None:
             save_item(tensor, out)
             return
-        data = storage_bytes(tensor)
         known = self._kinds.get(kind)
         if known is None:
-            buffer = io.BytesIO()
-            save_item(tensor, cast(ChecksummedWriter, buffer))
-            out.write(buffer.getbuffer())
-            learned = _split_item(buffer.getbuffer(), data)
-            if learned is not None:
-                if len(self._kinds) >= self.LIMIT:
-                    self._kinds.clear()
-                    self._quick.clear()
-                self._kinds[kind] = learned
+            out.write(self._learn(tensor, kind))
             return
+        data = storage_bytes(tensor)
         head, tail = known
         if len(data) < self.SMALL:
             out.write(b"".join((head, data, tail)))
@@ -103,12 +95,27 @@ class ItemTemplates:
             out.write(data)
             out.write(tail)
 
+    def _learn(self, tensor: torch.Tensor, kind: Kind) -> bytes:
+        """`tensor`'s item, serialized (`save_item`), and its kind's head and tail kept."""
+        buffer = io.BytesIO()
+        save_item(tensor, cast(ChecksummedWriter, buffer))
+        item = buffer.getvalue()
+        learned = _split_item(memoryview(item), storage_bytes(tensor))
+        if learned is not None:
+            if len(self._kinds) >= self.LIMIT:
+                self._kinds.clear()
+                self._quick.clear()
+            self._kinds[kind] = learned
+        return item
+
     def small_item(self, tensor: torch.Tensor) -> bytes | None:
-        """The bytes `write` would write for `tensor`, when its kind is known and its storage
-        smaller than `SMALL`; else None (then `write` it): what the shard writer gathers into
-        one write with its neighbours. Thousands of small tensors each take this path, so
-        it looks the kind up by torch's own objects (`_quick_kind`) and copies the storage
-        with one call (`ctypes.string_at`), not through a numpy view."""
+        """The bytes `write` would write for `tensor`, when its storage is smaller than `SMALL`
+        (the first of its kind serialized, its template learned); else None (then `write` it):
+        what the shard writer gathers into one write with its neighbours, from the first save
+        on (so a file's layout is the same at every save, and equal items share a place).
+        Thousands of small tensors each take this path, so it looks the kind up by torch's
+        own objects (`_quick_kind`) and copies the storage with one call
+        (`ctypes.string_at`), not through a numpy view."""
         if (
             type(tensor) is not torch.Tensor
             or tensor.requires_grad
@@ -124,9 +131,11 @@ class ItemTemplates:
         known = self._quick.get(quick)
         if known is None:
             kind = _kind(tensor)
-            known = None if kind is None else self._kinds.get(kind)
-            if known is None:
+            if kind is None:
                 return None
+            known = self._kinds.get(kind)
+            if known is None:  # the first of its kind: its bytes as `write` makes them
+                return self._learn(tensor, kind)
             if len(self._quick) >= self.LIMIT:
                 self._quick.clear()
             self._quick[quick] = known
