@@ -114,7 +114,7 @@ def write_own_part(
     # its record is); the part's own folder is fsynced with its record
     parents = threads.flusher.submit(_fsync_up_to, folder.parent, root)
     view = local_view(state)
-    expected = _tensor_bytes(view)
+    expected = sum(t.numel() * t.element_size() for t in _tensors(view))  # about the file's
     count = piece_count(expected)
     module = _Pieces(folder, MODULE_FILE, count, expected, clock, threads, _Staged(view))
     trainer = _Pieces(folder, TRAIN_FILE, 1, len(trainer_bytes), clock, threads)
@@ -139,15 +139,16 @@ def write_own_part(
     return part
 
 
-def _tensor_bytes(state: Any) -> int:
-    """Bytes of the tensors in `state` (nested dicts and lists): about a module file's size."""
+def _tensors(state: Any) -> Iterator[torch.Tensor]:
+    """The tensors in `state` (nested dicts, lists and tuples)."""
     if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
-    if isinstance(state, dict):
-        return sum(_tensor_bytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in state)
-    return 0
+        yield state
+    elif isinstance(state, dict):
+        for v in state.values():
+            yield from _tensors(v)
+    elif isinstance(state, (list, tuple)):
+        for v in state:
+            yield from _tensors(v)
 
 
 _WRITE_BUFFER = 1 << 20
@@ -168,7 +169,7 @@ class _Staged:
     def __init__(self, state: Any) -> None:
         spans = sorted(
             (s.data_ptr(), s.data_ptr() + s.nbytes())
-            for s in _storages(state)
+            for s in (t.untyped_storage() for t in _tensors(state))
             if s.device.type == "cpu" and s.nbytes() > 0
         )
         self._starts = [a for a, _b in spans]
@@ -181,17 +182,6 @@ class _Staged:
         address = buffer_address(view)
         i = bisect.bisect_right(self._starts, address) - 1
         return i >= 0 and address + len(view) <= self._ends[i]
-
-
-def _storages(state: Any) -> Iterator[torch.UntypedStorage]:
-    if isinstance(state, torch.Tensor):
-        yield state.untyped_storage()
-    elif isinstance(state, dict):
-        for v in state.values():
-            yield from _storages(v)
-    elif isinstance(state, (list, tuple)):
-        for v in state:
-            yield from _storages(v)
 
 
 class _Pieces:
@@ -227,9 +217,8 @@ class _Pieces:
             index = len(self._pieces)
             name = self._name if self._count == 1 else piece_name(self._name, index)
             threads = self._threads
-            self._open = _Piece(
-                self._folder / name, name, self._clock, threads.writers[index], threads.flusher
-            )
+            writer = threads.writers[index % len(threads.writers)]  # a piece's bytes in order
+            self._open = _Piece(self._folder / name, name, self._clock, writer, threads.flusher)
             self._pieces.append(self._open)
         return self._open
 
