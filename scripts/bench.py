@@ -498,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--scale-ranks",
-        default="256,1024,4096,8192",
+        default="16,256,1024,4096,8192",
         help="--scale: simulated rank counts (comma-separated)",
     )
     p.add_argument(

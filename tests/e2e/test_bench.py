@@ -95,6 +95,8 @@ def test_bench_scale_runs_and_prints_its_tables(tmp_path: Path) -> None:
         assert len(timed) == 6  # with the read of trainckpt's own metadata record
         assert all(v["s"] > 0 and v["peak_mb"] > 0 for v in timed.values())
     assert "target simulated 4 ranks: rank 0 commit work" in run.stdout
+    assert "target safe unpickle / pickle at every simulated size: worst" in run.stdout
+    assert "2: " in run.stdout.split("at every simulated size")[1]  # each size's ratio named
     training = scale["training"]
     assert training["entries"] == 400
     for name, r in training["results"].items():  # the copy floor and three trainckpt modes

@@ -10,6 +10,7 @@ import copyreg
 import os
 import pickle
 import tracemalloc
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from support.hostile import MARK, POP, call, ext1, ext2, ext4, glob, inst, progr
 
 from trainckpt import CorruptCheckpointError, UnsafeCheckpointError
 from trainckpt.format.safe_unpickle import load_dcp_metadata
+from trainckpt.format.safe_unpickle.dcp_allow_list import _IDLE
 
 DCP_MD = "torch.distributed.checkpoint.metadata"
 EMPTY_TUPLE, REDUCE, BUILD, NEWOBJ, OBJ, DUP = b")", b"R", b"b", b"\x81", b"o", b"2"
@@ -156,6 +158,38 @@ def test_build_cannot_change_an_allowed_callable_and_records_stay_in_their_field
     for body, match in cases.values():
         with pytest.raises(UnsafeCheckpointError, match=match):
             load_dcp_metadata(program(body, protocol=4), "md")
+
+
+def test_an_allow_list_is_reused_only_after_a_load_that_ended_well():
+    """Loads take an allow-list a good load gave back (its stand-in classes free again); one
+    whose load was refused is never used again, and reuse never lets a crafted record through,
+    with loads on several threads at once."""
+    good = _metadata_with_storage(None)
+    leaked = program(stack_glob(DCP_MD, "ChunkStorageMetadata") + EMPTY_TUPLE + NEWOBJ, protocol=4)
+    _IDLE.clear()
+    load_dcp_metadata(good, "md")
+    (idle,) = _IDLE
+    with pytest.raises(UnsafeCheckpointError, match="record outside"):
+        load_dcp_metadata(leaked, "md")  # took `idle`, and a record of its classes lives on
+    assert idle not in _IDLE
+    assert type(load_dcp_metadata(good, "md")).__module__ == DCP_MD
+
+    def rounds(seed: int) -> list[str]:
+        seen = []
+        for i in range(60):
+            if (i + seed) % 3:
+                read = load_dcp_metadata(good, "md")
+                seen.append(type(next(iter(read.storage_data.values()))).__module__)
+            else:
+                with pytest.raises(UnsafeCheckpointError, match="record outside"):
+                    load_dcp_metadata(leaked, "md")
+        return seen
+
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(rounds, range(6)))
+    assert {m for r in results for m in r} == {"torch.distributed.checkpoint.filesystem"}
+    assert sum(map(len, results)) == 6 * 40
+    assert len(_IDLE) <= 4
 
 
 @pytest.mark.parametrize(

@@ -23,12 +23,13 @@ data (numbers, text, bytes, tuples, lists, dicts, sets) came from `find_class`, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 import sys
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from itertools import chain, repeat
-from operator import attrgetter, itemgetter, methodcaller
+from operator import attrgetter, is_, itemgetter, methodcaller
 from typing import Any, NamedTuple
 
 import torch
@@ -100,7 +101,9 @@ def _natural(col: list[int]) -> bool:
 
 class AllowList:
     """The globals of one load: `find` is the unpickler's `find_class`; `finish` checks the
-    records the pickle built. One per load."""
+    records the pickle built. One load at a time: `take` one, which `finish` gives back for
+    the next load once nothing refers to its stand-in classes (making them is a good part of
+    a small `.metadata`'s load)."""
 
     def __init__(self) -> None:
         from torch.distributed.checkpoint import filesystem as fs
@@ -108,7 +111,7 @@ class AllowList:
 
         self.md, self.fs = md, fs
         encodings = {e.value: e for e in md._MEM_FORMAT_ENCODING}
-        layouts = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+        layouts, dtypes = _torch_values()
         paths = (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.PureWindowsPath)
         size, none = torch.Size, type(None)
         self.fields: dict[type, dict[str, Field]] = {
@@ -152,6 +155,7 @@ class AllowList:
             },
         }
         self.stand_in = {cls: _stand_in(cls) for cls in self.fields}
+        self.columns = {cls: _columns(cls, fields) for cls, fields in self.fields.items()}
         st = self.stand_in
         metadata, tensor = st[md.Metadata], st[md.TensorStorageMetadata]
         chunk, props, storage_meta = (
@@ -190,12 +194,18 @@ class AllowList:
         }
         for kind in paths:
             self.table[("pathlib", kind.__name__)] = Checked(kind.__name__, kind, _parts_ok)
-        for name, value in vars(torch).items():
-            if isinstance(value, torch.dtype):  # immutable values
-                self.table[("torch", name)] = value
+        self.table.update((("torch", name), dtype) for name, dtype in dtypes.items())
 
         self.checked: dict[type, list[Any]] = {cls: [] for cls in self.fields}
         self.references: dict[type, int] | None = None  # of the stand-ins, at the first `find`
+
+    @classmethod
+    def take(cls) -> AllowList:
+        """An allow-list no load is using: one a load that ended well gave back, or a new one."""
+        try:
+            return _IDLE.pop()
+        except IndexError:
+            return cls()
 
     def find(self, module: str, name: str) -> Any:
         """The global (module, name) if the table has exactly it: no dotted-name walk, no import."""
@@ -216,11 +226,14 @@ class AllowList:
         if type(result) is self.stand_in[self.md.Metadata]:
             self._check_metadata(result)
         for cls, records in self.checked.items():
-            deque(map(object.__setattr__, records, repeat("__class__"), repeat(cls)), maxlen=0)
+            deque(map(_set_class, records, repeat(cls)), maxlen=0)
         for cls, stand_in in self.stand_in.items():
             # What refers to a stand-in now: the table, and any record or class left unchecked.
             if self.references and sys.getrefcount(stand_in) != self.references[cls]:
                 raise Refused(f"a {cls.__qualname__} record outside DCP's Metadata fields")
+        self.checked = {cls: [] for cls in self.fields}
+        if len(_IDLE) < 4:
+            _IDLE.append(self)  # no record or class of this load refers to the stand-ins
 
     def _check_metadata(self, metadata: Any) -> None:
         """Check the records of `metadata` where DCP's `Metadata` declares them."""
@@ -244,51 +257,91 @@ class AllowList:
         if metadata.storage_meta is not None:
             self._check(md.StorageMeta, [metadata.storage_meta])
 
-    def _types(self, what: str, values: Any, kinds: set[Any]) -> None:
+    def _types(self, what: str, values: Any, kinds: Set[Any]) -> None:
         found = set(map(type, values))
         if not found <= kinds:
             raise Refused(f"{what} of type {short(sorted(t.__qualname__ for t in found - kinds))}")
 
-    def _complete(self, cls: type, records: list[Any], dicts: list[dict[str, Any]]) -> None:
-        """Refuse a field `cls` does not have; fill in the fields with a default factory
-        (which have no class attribute to read)."""
-        unknown = set(chain.from_iterable(set(map(tuple, dicts)))) - self.fields[cls].keys()
-        if unknown:
-            raise Refused(f"{cls.__qualname__} with field(s) {short(sorted(map(str, unknown)))}")
-        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-            if f.default_factory is not dataclasses.MISSING:
-                for d in dicts:
-                    if f.name not in d:
-                        d[f.name] = f.default_factory()
-
     def _check(self, cls: type, records: list[Any]) -> None:
         """Check the records `records` of DCP's class `cls`, column by column. A field an
-        older writer did not have reads as its default, as in DCP."""
-        self._types(f"a {cls.__qualname__} record", records, {self.stand_in[cls]})
-        fields = self.fields[cls]
-        dicts: list[dict[str, Any]] = list(map(vars, records))  # type: ignore[arg-type]
-        if set(map(len, dicts)) == {len(fields)}:
-            # As many values as fields: if each field is found in every dict, that is all.
-            read = lambda name: map(itemgetter(name), dicts)  # noqa: E731
-            missing: type[Exception] = KeyError
-        else:  # an older writer lacked a field (its default is read), or a crafted record
-            self._complete(cls, records, dicts)
-            read = lambda name: map(getattr, records, repeat(name))  # noqa: E731
-            missing = AttributeError
-        for name, field in fields.items():
-            column: Any = read(name)
+        older writer did not have (or DCP's `_StorageInfo` left out, being None) reads as its
+        default, as in DCP."""
+        if set(map(type, records)) - {self.stand_in[cls]}:
+            self._types(f"a {cls.__qualname__} record", records, {self.stand_in[cls]})
+        dicts: list[dict[Any, Any]] = list(map(vars, records))  # type: ignore[arg-type]
+        keys, held = sum(map(len, dicts)), 0  # all the records' keys; those of `cls`'s fields
+        for c in self.columns[cls]:
             try:
-                if field.ok is not None:
-                    column = list(column)
-                if field.kinds is not None:
-                    self._types(f"{cls.__qualname__}.{name}", column, set(field.kinds))
-                elif field.ok is None:
-                    deque(column, maxlen=0)
-            except missing:
-                raise Refused(f"{cls.__qualname__} without its field {name!r}") from None
-            if field.ok is not None and not field.ok(column):
-                raise Refused(f"{cls.__qualname__}.{name}: a value{field.why}")
+                column = list(map(c.read, dicts))
+            except KeyError:  # a field without a plain default (a factory's value is stored)
+                if c.factory is None:
+                    raise Refused(f"{cls.__qualname__} without its field {c.name!r}") from None
+                missing = [d for d in dicts if c.name not in d]
+                for d in missing:
+                    d[c.name] = c.factory()
+                held -= len(missing)
+                column = list(map(c.read, dicts))
+            held += len(column)
+            if c.default is not _ABSENT:
+                absent = sum(map(is_, column, repeat(_ABSENT)))
+                if absent:
+                    held -= absent
+                    column = [c.default if v is _ABSENT else v for v in column]
+            if c.kinds is not None and set(map(type, column)) - c.kinds:
+                self._types(f"{cls.__qualname__}.{c.name}", column, c.kinds)
+            if c.ok is not None and not c.ok(column):
+                raise Refused(f"{cls.__qualname__}.{c.name}: a value{c.why}")
+        if keys != held:  # the records' other keys are fields `cls` lacks
+            unknown = set(chain.from_iterable(dicts)) - self.fields[cls].keys()
+            raise Refused(f"{cls.__qualname__} with field(s) {short(sorted(map(str, unknown)))}")
         self.checked[cls].extend(records)
+
+
+_IDLE: list[AllowList] = []  # given back by loads that ended well (`AllowList.take`)
+_ABSENT = object()
+_set_class = object.__dict__["__class__"].__set__  # `obj.__class__ = cls`, at C speed
+
+
+@functools.cache
+def _torch_values() -> tuple[dict[str, torch.layout], dict[str, torch.dtype]]:
+    """torch's layouts by their text and its dtypes by name (immutable values)."""
+    values = vars(torch)
+    layouts = {str(v): v for v in values.values() if isinstance(v, torch.layout)}
+    return layouts, {name: v for name, v in values.items() if isinstance(v, torch.dtype)}
+
+
+class _Column(NamedTuple):
+    """How `_check` reads and checks one field of a record class (`Field`, made ready)."""
+
+    name: str
+    read: Callable[[dict[Any, Any]], Any]  # a record's value; `_ABSENT` where the default applies
+    default: Any  # a plain default (read where a record lacks the field), else `_ABSENT`
+    factory: Callable[[], Any] | None  # a default factory: its value is stored in the record
+    kinds: frozenset[Any] | None
+    ok: Callable[[list[Any]], bool] | None
+    why: str
+
+
+def _columns(cls: type, fields: dict[str, Field]) -> tuple[_Column, ...]:
+    declared = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    out = []
+    for name, field in fields.items():
+        known = declared.get(name)  # a field this torch's DCP lacks is read as required
+        default = dataclasses.MISSING if known is None else known.default
+        factory = dataclasses.MISSING if known is None else known.default_factory
+        plain = default is not dataclasses.MISSING
+        out.append(
+            _Column(
+                name,
+                methodcaller("get", name, _ABSENT) if plain else itemgetter(name),
+                default if plain else _ABSENT,
+                None if factory is dataclasses.MISSING else factory,
+                None if field.kinds is None else frozenset(field.kinds),
+                field.ok,
+                field.why,
+            )
+        )
+    return tuple(out)
 
 
 def _refuse_call(self: Any, *args: Any, **kwargs: Any) -> None:

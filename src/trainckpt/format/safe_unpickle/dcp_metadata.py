@@ -68,7 +68,7 @@ def load_dcp_metadata(data: bytes, where: str) -> Any:
     gc.disable()  # a big metadata is millions of young objects: collections would dominate
     try:
         _refuse_extension_codes(data)
-        allowed = AllowList()
+        allowed = AllowList.take()
         result = _Unpickler(data, allowed).load()  # the unpickler (and its memo) is gone after
         allowed.finish(result)
         return result
