@@ -9,7 +9,8 @@ data (numbers, text, bytes, tuples, lists, dicts, sets) came from `find_class`, 
 - Every other callable is a `Checked` stand-in: it checks its arguments before it builds a
   device, an `OrderedDict`, a set, a pure path, a layout or a memory format, and refuses BUILD
   (so the pickle can change nothing of it, nor any function of torch's).
-- DCP's record dataclasses are per-load subclasses (`_stand_in`) that run no code of their own
+- DCP's record dataclasses are subclasses of one load at a time (`_stand_in`, reused only once
+  nothing refers to them: `AllowList.take`) that run no code of their own
   while the pickle runs, so the C unpickler builds them at its own speed (only
   `TensorProperties` keeps DCP's `__setstate__`, which assigns its five fields), and that refuse
   to be called with arguments. Then `AllowList.finish` checks every record where DCP's
