@@ -17,7 +17,10 @@ thread copying the state into shared memory, then another running process writin
 there (the least any snapshot the trainer keeps training past can cost: the copy floor,
 which trainckpt's targets compare with). `torch_checkpointing` does not fsync: its save is
 "committed" when its future resolves, with bytes possibly still in the page cache, so its
-times leave out what the others pay for durability. Each contender is warmed first (one
+times leave out what the others pay for durability. Its staging copy runs on a thread after
+`save` returns; as its docs require, the trainer takes `manager.lock()` before each optimizer
+step, which waits for that copy (as trainckpt's overlapped staging has it call
+`wait_for_staging`). Each contender is warmed first (one
 untimed save: spawned processes, first buffer allocations); the order rotates every repeat.
 DCP's process mode needs `torch.distributed`: a one-rank gloo group on 127.0.0.1 is set up.
 """
@@ -346,7 +349,12 @@ def _torch_checkpointing(
     module: ModelAndOptim,
 ) -> tuple[Callable[[Path], Save], Callable[[], None]]:
     """PyTorch's `torch_checkpointing` with an async saver (a writer process of its own), with
-    pinned memory and direct I/O off, as it needs on CPU (it pins through CUDA)."""
+    pinned memory and direct I/O off, as it needs on CPU (it pins through CUDA). Its staging
+    copies the state on a thread of its own after `save` returns; its contract is that the
+    trainer takes `manager.lock()` around each in-place update of the saved state (the
+    optimizer step), which waits while that copy runs. The trainer here does so, as it does
+    `wait_for_staging` for trainckpt's overlapped staging: without it, the copy would race the
+    next optimizer step (a torn checkpoint) and its cost would go unmeasured."""
     import torch_checkpointing as tc
     from torch_checkpointing.checkpoint_process import CheckpointProcessConfig
     from torch_checkpointing.staging import CheckpointStagerConfig
@@ -362,8 +370,12 @@ def _torch_checkpointing(
         storage_config=LocalFileSystemStorageConfig(use_direct_io=False),
     ).build()
 
+    def before_optim_step() -> None:
+        with manager.lock():  # waits while a capture of the state runs
+            pass
+
     def start(folder: Path) -> Save:
-        save = Save()
+        save = Save(before_optim_step=before_optim_step)
         future = manager.save(str(folder), module.state_dict_to_save())
         assert future is not None
         save.follow(future)

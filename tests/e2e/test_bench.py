@@ -143,3 +143,46 @@ def _trained_during(r: dict[str, Any]) -> bool:
     within one training step (the copy floor of a tiny state can, with no step started)."""
     within_a_step = r["committed_s"]["max"] <= r["step_before_s"]["max"]
     return r["steps_during"]["min"] >= 1 or within_a_step
+
+
+def test_the_torch_checkpointing_peer_waits_for_its_staging_before_the_optimizer_step(
+    tmp_path: Path,
+) -> None:
+    """The training bench's `torch_checkpointing` contender copies the state on a thread after
+    `save` returns; the trainer takes its manager's lock before the optimizer step (that
+    library's contract), so a step changing every parameter right after never reaches the
+    checkpoint, in every trial: its measured training time includes that wait."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import torch
+    from bench_common import make_module
+    from bench_train import _torch_checkpointing
+    from torch_checkpointing import CheckpointManager
+    from torch_checkpointing.config import SyncCheckpointSaverConfig
+    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+
+    module = make_module(48)
+    start, close = _torch_checkpointing(module)
+    reader = CheckpointManager(
+        CheckpointManager.Config(
+            save=SyncCheckpointSaverConfig(),
+            storage_config=LocalFileSystemStorageConfig(use_direct_io=False),
+        )
+    )
+    params = list(module.model.parameters())
+    try:
+        for trial in range(3):
+            saved = [p.detach().clone() for p in params]
+            save = start(tmp_path / f"step{trial}")
+            assert save.before_optim_step is not None
+            save.before_optim_step()
+            with torch.no_grad():
+                for p in params:
+                    p.add_(1.0)  # the optimizer step, right after the wait
+            assert save.committed.wait(300) and save.error is None
+            into = {"model": {k: torch.zeros_like(v) for k, v in module.model.state_dict().items()}}
+            reader.load(str(tmp_path / f"step{trial}"), into=into)
+            for got, want in zip(into["model"].values(), saved, strict=True):
+                assert torch.equal(got, want), trial
+    finally:
+        close()
+        reader.close()
