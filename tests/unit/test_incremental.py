@@ -156,6 +156,95 @@ def test_shortcuts_never_link_a_change_made_behind_the_version_counter(run):
     assert expected[6].optim.param_groups[0]["lr"] == 0.5
 
 
+def test_hyperparameters_are_linked_from_the_second_save_and_a_new_lr_is_written(run):
+    """The optimizer's hyperparameters fill files of their own from the first save: the second
+    save writes exactly the files the third writes (the adapter's), and takes the rest over.
+    A learning rate changed between two saves is written, while the base stays linked, and
+    the checkpoint holds the new value."""
+    ckpt, module, folder = run
+    assert module.optim is not None
+    saved = {}
+    for step in (1, 2, 3):
+        train(module, step)
+        ckpt.save(folder / f"step{step}", module, {"step": step})
+        saved[step] = copy.deepcopy(module)
+    new = {
+        s: set(shards(folder / f"step{s}")) - linked(folder / f"step{s - 1}", folder / f"step{s}")
+        for s in (2, 3)
+    }
+    assert new[2] == new[3] and len(new[2]) < len(shards(folder / "step2")) - 2, new
+    for group in module.optim.param_groups:
+        group["lr"] = 5e-3  # a scheduler's step
+    train(module, 4)
+    ckpt.save(folder / "step4", module, {"step": 4})
+    saved[4] = copy.deepcopy(module)
+    reused = linked(folder / "step3", folder / "step4")
+    assert sum(shards(folder / "step4")[n].st_size for n in reused) >= BASE_BYTES
+    for step, state in saved.items():
+        dst = lora_module(seed=5)
+        ckpt.load(folder / f"step{step}", dst)
+        assert_same_state(state, dst)
+        assert_plain_dcp_reads(folder / f"step{step}", state)
+    assert dst.optim is not None and dst.optim.param_groups[0]["lr"] == 5e-3
+
+
+def test_a_new_lr_after_a_full_save_keeps_the_base_linked(run):
+    """The previous checkpoint deleted, a save writes every file (hashes known, nothing to
+    link): the hyperparameters still go to files apart from the base, so a learning rate
+    changed before the next save does not keep the base from being linked."""
+    ckpt, module, folder = run
+    assert module.optim is not None
+    for step in (1, 2):
+        train(module, step)
+        ckpt.save(folder / f"step{step}", module, {"step": step})
+    Checkpointer.delete(str(folder / "step2"))
+    train(module, 3)
+    ckpt.save(folder / "step3", module, {"step": 3})
+    for group in module.optim.param_groups:
+        group["lr"] = 5e-3
+    train(module, 4)
+    ckpt.save(folder / "step4", module, {"step": 4})
+    reused = linked(folder / "step3", folder / "step4")
+    assert sum(shards(folder / "step4")[n].st_size for n in reused) >= BASE_BYTES
+    dst = lora_module(seed=5)
+    ckpt.load(folder / "step4", dst)
+    assert_same_state(module, dst)
+
+
+def test_items_that_change_in_turn_are_never_described_by_the_last_saves_places(tmp_path):
+    """Two parameter groups whose learning rates change in turn (one per save, to values of
+    the same size): the files written at each save have the same names, items count and
+    places as at the save before, but hold the other group's values. The results and metadata
+    kept from the last save must not describe them: every checkpoint loads as it was."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(BASE, BASE)
+    base.requires_grad_(False)
+    model = torch.nn.Sequential(base, torch.nn.Linear(BASE, 4), torch.nn.Linear(BASE, 4))
+    groups = [{"params": list(model[1].parameters())}, {"params": list(model[2].parameters())}]
+    module = ModelAndOptim(model, torch.optim.AdamW(groups, lr=0.01))
+    assert module.optim is not None
+    ckpt = CheckpointerConfig(work_dir=tmp_path / "work").build()
+    folder = tmp_path / "run"
+    saved = {}
+    try:
+        for n in range(1, 6):
+            for p in (*model[1].parameters(), *model[2].parameters()):
+                p.grad = torch.full_like(p, n / 100)
+            module.optim.step()
+            module.optim.param_groups[n % 2]["lr"] = 0.01 + n / 1000  # the other group's
+            ckpt.save(folder / f"step{n}", module, {"step": n})
+            saved[n] = copy.deepcopy(module)
+        for n, state in saved.items():
+            dst = copy.deepcopy(module)
+            for group in dst.optim.param_groups:
+                group["lr"] = 1.0
+            ckpt.load(folder / f"step{n}", dst)
+            assert_same_state(state, dst)
+            assert_plain_dcp_reads(folder / f"step{n}", state)
+    finally:
+        ckpt.close()
+
+
 def test_items_that_stop_changing_are_linked_again(run):
     """Items a save found changed are written at the next save without waiting for their
     hash (hashed while written): once training stops, that hash lets the save after take

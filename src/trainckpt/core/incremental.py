@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -84,15 +85,24 @@ class SavedFile:
     entry: FileEntry
     items: tuple[SavedItem, ...]
 
-    def unchanged_in(self, current: Mapping[Hashable, tuple[bytes | None, object]]) -> bool:
-        """True when every item of this file is in `current` (key -> hash, item) with the same
-        hash."""
-        return bool(self.items) and all(
-            i.digest is not None and current.get(i.key, _NONE)[0] == i.digest for i in self.items
+    @functools.cached_property
+    def keys(self) -> list[Hashable]:
+        """Its items' keys, in order (made once: a file is compared at every save that may
+        take it over)."""
+        return [i.key for i in self.items]
+
+    @functools.cached_property
+    def digests(self) -> list[bytes | None]:
+        """Its items' hashes, in order."""
+        return [i.digest for i in self.items]
+
+    def unchanged_in(self, current: Mapping[Hashable, bytes | None]) -> bool:
+        """True when every item of this file is in `current` (key -> hash) with the same hash
+        (compared by C loops: a file of hyperparameters holds thousands of items)."""
+        digests = self.digests
+        return (
+            bool(digests) and None not in digests and list(map(current.get, self.keys)) == digests
         )
-
-
-_NONE: tuple[None, None] = (None, None)
 
 
 @dataclass(frozen=True)
@@ -104,7 +114,10 @@ class _Committed:
     @functools.cached_property
     def known(self) -> dict[Hashable, bytes | None]:
         """Every item's hash, by key."""
-        return {i.key: i.digest for f in self.files for i in f.items}
+        known: dict[Hashable, bytes | None] = {}
+        for f in self.files:
+            known.update(zip(f.keys, f.digests, strict=True))
+        return known
 
 
 class _Plan:
@@ -117,6 +130,7 @@ class _Plan:
         self.tensor = [i.tensor_data is not None for i in items]
         self.large = [_nbytes(i) >= LARGE_ITEM for i in items]
         self.position = {id(item): n for n, item in enumerate(items)}
+        self.hyper = [i.index.fqn.startswith(_HYPER) for i in items]
         self._frozen: set[str] | None = None
 
     def likely_frozen(self) -> set[str]:
@@ -124,6 +138,20 @@ class _Plan:
         if self._frozen is None:
             self._frozen = _likely_frozen([i.index.fqn for i in self.items])
         return self._frozen
+
+
+class _Results(NamedTuple):
+    """Every item's result of a save (the list handed to DCP), and what decided them: the
+    plan, the files taken over, and the files written with their items and places. A save
+    whose layout is the same, item for item, hands out the very same list again: no result is
+    built, and the metadata files are then known unchanged by identity (`metadata_files`)."""
+
+    items: list[WriteItem]
+    placed: list[SavedFile]
+    written: list[tuple[str, list[WriteItem], list[tuple[int, int]]]]
+    per_file: list[list[WriteResult]]
+    """The results of each written file (plain `WriteResult`s, no save named)."""
+    results: list[WriteResult]
 
 
 class History:
@@ -145,8 +173,13 @@ class History:
         self.byte_digests: dict[int, tuple[bytes, bytes]] = {}
         """id -> (bytes, hash) of the last save's byte items (plain values' bytes are made
         once per value, `plain_values`: the same objects come back at each save)."""
-        self.reused_results: dict[int, tuple[SavedFile, list[WriteResult]]] = {}
-        """The results of the files the last save took over, by id (each held)."""
+        self.file_results: dict[int, tuple[SavedFile, list[WriteItem], list[WriteResult]]] = {}
+        """The results of every file of the last save (taken over or written), by id of its
+        `SavedFile` (each held), with the plan they were made for."""
+        self.last_results: _Results | None = None
+        """Every result of the last save, and the layout they describe (`Session.record`)."""
+        self.last_groups: list[list[WriteItem]] = []
+        """The groups of items the last save wrote (`Session.lay_out`)."""
         self._plan: _Plan | None = None
 
     def plan(self, items: list[WriteItem]) -> _Plan:
@@ -214,6 +247,8 @@ class Session:
         self._late_storages: set[StorageKey] = set()  # the large storages of those
         self._storages: dict[int, StorageKey] = {}  # item number -> storage, if prehashed
         self._known: dict[Hashable, bytes | None] = {}
+        self._placed: list[SavedFile] = []
+        self._reused: list[WriteResult] = []  # the results of the files taken over
         history.begin()
 
     def lay_out(
@@ -231,9 +266,7 @@ class Session:
         files are written (`record` waits for it), for the next save to compare. A hint
         never makes an item unchanged: only equal hashes do. Keys are plain tuples (fqn,
         offset, kind), hashed in C; what depends only on the plan is kept with it (`_Plan`)."""
-        from torch.distributed.checkpoint.filesystem import _StorageInfo
-
-        from trainckpt.format.shard_writer import Layout, ReusedResult
+        from trainckpt.format.shard_writer import Layout, ReusedResult, _results
 
         history = self.history
         plan = self._plan = history.plan(items)
@@ -265,41 +298,43 @@ class Session:
         storages = self._storages
         _hash_large(items, large, resolve, threads, keyed, self._prehash, storages, urgent=True)
         self._late = late
-        current: dict[Hashable, tuple[bytes | None, WriteItem]] = {}
-        for n, k in enumerate(keyed):
-            if k is not None:
-                current[k[0]] = (k[1], items[n])
+        current: dict[Hashable, bytes | None] = dict(k for k in keyed if k is not None)
         known = self._known = previous.known if previous is not None else {}
         candidates = [
             f
             for f in (previous.files if previous is not None else ())
             if f.rel == self.prefix + f.name and f.unchanged_in(current)
         ]
+
+        @functools.cache
+        def item_of() -> dict[Hashable, WriteItem]:
+            """The items by key (made when a result is built)."""
+            return {k[0]: items[n] for n, k in enumerate(keyed) if k is not None}
+
         layout = Layout(groups=[])
-        placed = self._take_over(previous, candidates, threads) if previous else []
+        placed = self._placed = self._take_over(previous, candidates, threads) if previous else []
         taken: set[Hashable] = set()
-        results = history.reused_results
-        history.reused_results = {}
+        results = history.file_results
+        history.file_results = {}
         for f in placed:
             layout.reused_files[f.name] = f.entry
-            found_results = results.get(id(f))
-            if found_results is None or found_results[0] is not f:
-                found_results = (
-                    f,
-                    [
-                        ReusedResult(
-                            current[i.key][1].index,
-                            i.length,
-                            _StorageInfo(f.name, i.offset, i.length),
-                            source_save_id=f.save_id,
-                        )
-                        for i in f.items
-                    ],
-                )
-            history.reused_results[id(f)] = found_results
-            layout.reused_results += found_results[1]
-            taken.update(i.key for i in f.items)
+            kept = results.get(id(f))
+            if kept is None or kept[0] is not f or kept[1] is not items:
+                places = [(i.offset, i.length) for i in f.items]
+                kept = (f, items, _results([item_of()[k] for k in f.keys], f.name, places))
+            rows = kept[2]
+            first = rows[0]
+            if type(first) is not ReusedResult or first.source_save_id != f.save_id:
+                # a file the last save wrote: its results then, the first naming that save
+                head = f.items[0]
+                span = [(head.offset, head.length)]
+                rows = _results([item_of()[head.key]], f.name, span, f.save_id) + rows[1:]
+                kept = (f, items, rows)
+            history.file_results[id(f)] = kept
+            self._reused += rows
+            taken.update(f.keys)
         stable: list[WriteItem] = []
+        hyper: list[WriteItem] = []  # hyperparameters unchanged (or seen for the first time)
         changing: list[WriteItem] = []
         unchanged: dict[StorageKey, bytes] = {}
         changed = self._changed
@@ -319,9 +354,9 @@ class Session:
             elif key in known:
                 same = known[key] == digest
             else:
-                same = item.index.fqn in plan.likely_frozen()
+                same = plan.hyper[n] or item.index.fqn in plan.likely_frozen()
             if same:
-                stable.append(item)
+                (hyper if plan.hyper[n] else stable).append(item)
                 if n in storages and digest is not None:
                     unchanged[storages[n]] = digest
             else:
@@ -333,7 +368,13 @@ class Session:
         # for the next async staging: the storages worth hashing there to skip their copy (a
         # trained state has none, and so pays no hash at staging)
         history.digests.hashed = unchanged
-        layout.groups = [g for g in (stable, changing) if g]
+        groups = [g for g in (stable, hyper, changing) if g]
+        last_groups = {len(g): g for g in history.last_groups}
+        for n, group in enumerate(groups):  # as last time: the same list (its files are kept)
+            before = last_groups.get(len(group))
+            if before is not None and _same_items(before, group):
+                groups[n] = before
+        layout.groups = history.last_groups = groups
         history.add(placed)
         if late:
             pool = ThreadPoolExecutor(1, thread_name_prefix="trainckpt-hash")
@@ -347,10 +388,11 @@ class Session:
 
     def record(
         self, shards: Sequence[Shard], written: Sequence[WrittenShard], save_id: str
-    ) -> None:
+    ) -> list[WriteResult]:
         """Remember the files this rank wrote in this save, with every item's hash (waiting
-        for those hashed while the files were written). Called on: each rank, after its
-        shards are written."""
+        for those hashed while the files were written), and return every item's result: the
+        last save's list when the layout is the same (`_Results`). Called on: each rank, after
+        its shards are written."""
         if self._late_hashed is not None:
             self._late_hashed.result()
             self._late_hashed = self._prehash = None
@@ -379,6 +421,52 @@ class Session:
                     self._late_storages.add(storages[n])
         self.history.changing = frozenset(changed)
         self.history.late_storages = frozenset(self._late_storages)
+        return self._results(shards, written, files)
+
+    def _results(
+        self, shards: Sequence[Shard], written: Sequence[WrittenShard], files: list[SavedFile]
+    ) -> list[WriteResult]:
+        """Every item's result: those of the files taken over, then those written (kept with
+        each written file's `SavedFile`, for the save that takes it over). A file written
+        as the last save wrote it (same plan, name, items by identity, places) keeps that
+        save's results; when every file is as in the last save (the same `SavedFile`s taken
+        over), the last save's very list is handed out again."""
+        from trainckpt.format.shard_writer import _results
+
+        plan = self._plan
+        assert plan is not None
+        layout = [(d.name, s.items, d.spans) for s, d in zip(shards, written, strict=True)]
+        history = self.history
+        last = history.last_results
+        before: dict[str, tuple[list[WriteItem], list[tuple[int, int]], list[WriteResult]]] = {}
+        if last is not None and last.items is plan.items:
+            before = {
+                name: (items, spans, rows)
+                for (name, items, spans), rows in zip(last.written, last.per_file, strict=True)
+            }
+        per_file = []
+        for name, items, spans in layout:
+            found = before.get(name)
+            if found is not None and found[1] == spans and _same_items(found[0], items):
+                per_file.append(found[2])
+            else:
+                per_file.append(_results(items, name, spans))
+        if (
+            last is not None
+            and len(last.per_file) == len(per_file)
+            and all(map(operator.is_, last.per_file, per_file))
+            and len(last.placed) == len(self._placed)
+            and all(map(operator.is_, last.placed, self._placed))
+        ):
+            results = last.results
+        else:
+            results = list(self._reused)
+            for rows in per_file:
+                results += rows
+            history.last_results = _Results(plan.items, self._placed, layout, per_file, results)
+        for f, rows in zip(files, per_file, strict=True):
+            history.file_results[id(f)] = (f, plan.items, rows)
+        return results
 
     def _take_over(
         self, previous: _Committed, files: list[SavedFile], threads: int
@@ -508,6 +596,13 @@ class Prehash:
         return done
 
 
+_HYPER = "optim.param_groups."
+"""The prefix of an optimizer's flattened hyperparameters (lr, betas, ...: one entry per
+parameter and name): likely the same at the next save, so those unchanged, and those seen for
+the first time, fill files of their own (neither with a frozen base, which a changing learning
+rate would keep from being taken over, nor with the trained values, which change at every
+save)."""
+
 PREHASH_THREADS = 2
 """Threads hashing a state's large tensors from the start of a save (xxh3 releases the
 interpreter lock: two cores hash at twice the speed of one)."""
@@ -579,6 +674,11 @@ def _hash_large(
             done = pool.map(lambda n: _keyed(items[n], resolve), rest)
             for n, one in zip(rest, done, strict=True):
                 keyed[n] = one
+
+
+def _same_items(a: list[WriteItem], b: list[WriteItem]) -> bool:
+    """Whether two lists hold the very same items in the same order."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 def _nbytes(item: WriteItem) -> int:

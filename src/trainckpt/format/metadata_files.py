@@ -169,19 +169,52 @@ def _plain(results: list[list[WriteResult]]) -> bool:
 
 def _find(metadata: Metadata, results: list[list[WriteResult]]) -> _Entry | None:
     """The kept layout of the same entries whose every result is where one of `results` is
-    (the layouts are made only when there is such an entry: never on a save that planned)."""
+    (the layouts are made only when there is such an entry: never on a save that planned).
+    The entry found then holds `results` as its lists: a writer that hands them out again (an
+    incremental save whose layout did not change, `core/incremental.py`) is found by identity
+    (`_find_same`); the places they give are those of the entry's rows, compared equal."""
     with _lock:
         candidates = [e for e in _kept if _same_entries(e, metadata)]
     if not candidates:
         return None
-    layout = _layout(results)
-    if layout is None:
-        return None
+    layout: tuple[tuple[Any, ...], ...] | None = ()
     with _lock:
         for entry in candidates:
-            if entry.layout() == layout:
+            same = _same_rows(entry.rows, results)  # most results the very objects kept?
+            if same is None:
+                if layout == ():
+                    layout = _layout(results)
+                if layout is None:
+                    return None
+                same = entry.layout() == layout
+            if same:
+                entry.results = tuple(results)
+                entry.lengths = tuple(map(len, results))
                 return entry
     return None
+
+
+def _same_rows(
+    rows: tuple[tuple[WriteResult, ...], ...], results: list[list[WriteResult]]
+) -> bool | None:
+    """Whether `results` give every item the index and place of `rows`, compared item by item
+    where they are not the very objects (an incremental save hands out the results of the
+    files it took over again, `core/incremental.py`); None when that is not the cheaper way
+    (other lengths, or fewer than half the objects shared)."""
+    if len(rows) != len(results) or any(
+        len(a) != len(b) for a, b in zip(rows, results, strict=True)
+    ):
+        return None
+    differ = [
+        (a, b)
+        for kept, now in zip(rows, results, strict=True)
+        for a, b in zip(kept, now, strict=True)
+        if a is not b
+    ]
+    if 2 * len(differ) > sum(map(len, rows)):
+        return None
+    before, now = _layout([[a for a, _ in differ]]), _layout([[b for _, b in differ]])
+    return before is not None and before == now
 
 
 def _find_same(metadata: Metadata, results: list[list[WriteResult]]) -> _Entry | None:

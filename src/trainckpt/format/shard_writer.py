@@ -83,11 +83,11 @@ class Layout:
     """Items to write: each group fills files of its own (unchanged ones first)."""
     reused_files: dict[str, FileEntry] = dataclasses.field(default_factory=dict)
     """Files taken over (name in the DCP folder -> size and CRC32C)."""
-    reused_results: list[WriteResult] = dataclasses.field(default_factory=list)
 
 
 class ItemLayout(Protocol):
-    """What lays a rank's items out in files and hears what was written: an incremental save
+    """What lays a rank's items out in files and hears what was written, returning every
+    item's result (those of the files taken over too): an incremental save
     (`core/incremental.py` `Session`)."""
 
     def lay_out(
@@ -96,7 +96,7 @@ class ItemLayout(Protocol):
 
     def record(
         self, shards: Sequence[Shard], written: Sequence[WrittenShard], save_id: str
-    ) -> None: ...
+    ) -> list[WriteResult]: ...
 
 
 @dataclasses.dataclass
@@ -109,8 +109,10 @@ class _SavePrefix(_StoragePrefix):
 
 @dataclass(frozen=True)
 class ReusedResult(WriteResult):
-    """The result of an item in a file taken over from an earlier save, whose item record names
-    that save (`source_save_id`): the coordinator lists it in `.metadata` beside its own."""
+    """The result of the first item of a file taken over from an earlier save, whose item
+    record names that save (`source_save_id`): the coordinator lists it in `.metadata` beside
+    its own. The file's other items may keep the plain results of the save that wrote it
+    (`core/incremental.py`): one such result per file is enough to name the save."""
 
     source_save_id: str = ""
 
@@ -161,12 +163,7 @@ class RecordingWriter(FileSystemWriter):
         trainckpt's own format (`native_metadata`); both encoded, or reused from the last save
         of the same layout (`metadata_files`), and recorded in `written`, with write errors
         naming the file."""
-        kinds = set().union(*(map(type, rs) for rs in results))  # by C loops: 1 per item
-        sources = (
-            {r.source_save_id for rs in results for r in rs if isinstance(r, ReusedResult)}
-            if any(issubclass(k, ReusedResult) for k in kinds)
-            else set()
-        )
+        sources = _sources(results)
         self.save_id = shard_checksums.join_save_ids(self.save_id, sources)  # `storage_meta()`'s
         metadata.version = CURRENT_DCP_VERSION
         files = metadata_files.encode(metadata, results, self.storage_meta())
@@ -193,7 +190,7 @@ class RecordingWriter(FileSystemWriter):
         resolve: Callable[[WriteItem], ItemData] = getattr(
             planner, "resolve_item", None
         ) or functools.partial(resolve_item, planner)
-        results: list[WriteResult] = []
+        results: list[WriteResult]
         files: _Files | None = None
         if self.incremental is None:
             files = _files(plan.items, self.thread_count)
@@ -202,10 +199,8 @@ class RecordingWriter(FileSystemWriter):
             layout = self.incremental.lay_out(plan.items, resolve, self.thread_count)
             for name, entry in layout.reused_files.items():
                 self.written[name] = entry
-            results += layout.reused_results
-            buckets = [
-                _file_order(b) for g in layout.groups for b in _buckets(self.thread_count, g) if b
-            ]
+            # a group handed out again (the same list: `Session.lay_out`) keeps its files
+            buckets = [b for g in layout.groups for b in _files(g, self.thread_count).buckets]
         names = _free_names(prefix, set(self.written))
         shards = [Shard(next(names), items, resolve) for items in buckets]
         written = self.shard_writer.write_shards(
@@ -216,14 +211,35 @@ class RecordingWriter(FileSystemWriter):
         if files is not None:
             results = files.results(written)
         else:
-            for shard, done in zip(shards, written, strict=True):
-                name = shard.name
-                results += _results(shard.items, name, done.spans)
-        if self.incremental is not None:
-            self.incremental.record(shards, written, self.save_id)
+            assert self.incremental is not None
+            results = self.incremental.record(shards, written, self.save_id)
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
+
+
+_last_sources: tuple[tuple[list[WriteResult], ...], set[str]] | None = None
+
+
+def _sources(results: list[list[WriteResult]]) -> set[str]:
+    """The saves named by `ReusedResult`s among `results`; those of the last call when
+    handed the very same lists again (a list is never changed once handed out)."""
+    global _last_sources
+    last = _last_sources
+    if (
+        last is not None
+        and len(last[0]) == len(results)
+        and all(map(operator.is_, last[0], results))
+    ):
+        return last[1]
+    kinds = set().union(*(map(type, rs) for rs in results))  # by C loops: 1 per item
+    sources = (
+        {r.source_save_id for rs in results for r in rs if isinstance(r, ReusedResult)}
+        if any(issubclass(k, ReusedResult) for k in kinds)
+        else set()
+    )
+    _last_sources = (tuple(results), sources)
+    return sources
 
 
 @dataclass
@@ -254,18 +270,30 @@ class _Files:
         return results
 
 
-def _results(items: list[WriteItem], name: str, spans: list[tuple[int, int]]) -> list[WriteResult]:
+def _results(
+    items: Sequence[WriteItem],
+    name: str,
+    spans: Iterable[tuple[int, int]],
+    source_save_id: str | None = None,
+) -> list[WriteResult]:
     """The result of each item written into file `name` at (offset, length) `spans`: DCP's
-    `WriteResult(index, length, _StorageInfo(name, offset, length))`, with the attributes those
+    `WriteResult(index, length, _StorageInfo(name, offset, length))` (a `ReusedResult` naming
+    `source_save_id`, for a file taken over from that save), with the attributes those
     constructors set, in the same order, set directly (`_SAME_FIELDS`): without a dataclass's
     `__init__` per item (tens of thousands of them on a save that planned) and without an
     attribute dict per object (more objects for the collector while the results are kept)."""
     if not _SAME_FIELDS:  # pragma: no cover - another torch
+        if source_save_id is not None:
+            return [
+                ReusedResult(item.index, length, _StorageInfo(name, offset, length), source_save_id)
+                for item, (offset, length) in zip(items, spans, strict=True)
+            ]
         return [
             WriteResult(item.index, length, _StorageInfo(name, offset, length))
             for item, (offset, length) in zip(items, spans, strict=True)
         ]
     new, put = object.__new__, object.__setattr__
+    kind = WriteResult if source_save_id is None else ReusedResult
     out: list[WriteResult] = []
     append = out.append
     for item, (offset, length) in zip(items, spans, strict=True):
@@ -274,25 +302,29 @@ def _results(items: list[WriteItem], name: str, spans: list[tuple[int, int]]) ->
         put(info, "offset", offset)
         put(info, "length", length)
         put(info, "transform_descriptors", None)
-        result = new(WriteResult)
+        result = new(kind)
         put(result, "index", item.index)
         put(result, "size_in_bytes", length)
         put(result, "storage_data", info)
+        if source_save_id is not None:
+            put(result, "source_save_id", source_save_id)
         append(result)
     return out
 
 
-_SAME_FIELDS = list(WriteResult(None, 0, None).__dict__) == [  # type: ignore[arg-type]
+_SAME_FIELDS = list(ReusedResult(None, 0, None).__dict__) == [  # type: ignore[arg-type]
     "index",
     "size_in_bytes",
     "storage_data",
+    "source_save_id",
 ] and list(_StorageInfo("", 0, 0).__dict__.items()) == [
     ("relative_path", ""),
     ("offset", 0),
     ("length", 0),
     ("transform_descriptors", None),
 ]
-"""Whether DCP's constructors set exactly the attributes `_results` sets itself."""
+"""Whether DCP's constructors (and `ReusedResult`'s) set exactly the attributes `_results` sets
+itself."""
 
 
 _files_lock = threading.Lock()
