@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from tests.support.damage import rerecord
 from tests.support.hostile import Calls, shell
 from tests.support.models import assert_same_state, fresh_module, make_module
 from trainckpt import CheckpointerConfig, CorruptCheckpointError
@@ -105,6 +106,8 @@ def test_one_planted_after_the_commit_is_refused(saved: Path, tmp_path: Path) ->
 
 
 def test_a_swapped_one_is_refused_against_the_manifest(saved: Path, tmp_path: Path) -> None:
+    """Its last byte is in the planner section, which a load never parses: the manifest's
+    CRC32C of the whole file is what refuses it."""
     path = _copy(saved, tmp_path)
     where = path / DCP / NATIVE_METADATA_FILE
     data = bytearray(where.read_bytes())
@@ -112,6 +115,65 @@ def test_a_swapped_one_is_refused_against_the_manifest(saved: Path, tmp_path: Pa
     where.write_bytes(bytes(data))
     with pytest.raises(CorruptCheckpointError, match=r"\.metadata\.trainckpt.*CRC32C"):
         _load(path, verify="size")
+
+
+def _split(data: bytes) -> tuple[dict[str, Any], bytes, bytes]:
+    """A version 2 record's header, chunk table and planner section."""
+    end = 16 + int.from_bytes(data[8:16], "little")
+    header = json.loads(data[16:end])
+    return header, data[end : end + 8 * header["ints"]], data[end + 8 * header["ints"] :]
+
+
+def _spy_decode(monkeypatch: pytest.MonkeyPatch) -> list[Metadata]:
+    """The metadata each `native_metadata.decode` returns from now on, as the load reads it."""
+    decoded: list[Metadata] = []
+    real = native_metadata.decode
+
+    def decode(data: bytes, where: str) -> Metadata:
+        decoded.append(real(data, where))
+        return decoded[-1]
+
+    monkeypatch.setattr(native_metadata, "decode", decode)
+    return decoded
+
+
+def test_a_record_of_version_1_still_loads(
+    saved: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint of trainckpt before version 2 (planner data in the header, no section)
+    loads from its record as before, with DCP's own planner data."""
+    path = _copy(saved, tmp_path)
+    where = path / DCP / NATIVE_METADATA_FILE
+    header, table, section = _split(where.read_bytes())
+    assert header.pop("version") == 2 and header.pop("planner") == len(section)
+    planner = [list(pair) for pair in zip(*json.loads(section), strict=True)]
+    where.write_bytes(_record({"version": 1, "planner_data": planner} | header, table))
+    rerecord(path, f"{DCP}/{NATIVE_METADATA_FILE}")  # as that version wrote it
+    decoded = _spy_decode(monkeypatch)
+    assert_same_state(_load(path, verify="size"), make_module())
+    pickled = load_dcp_metadata((path / DCP / ".metadata").read_bytes(), "x")
+    assert len(decoded) == 1 and decoded[0].planner_data == pickled.planner_data
+    assert decoded[0] == pickled
+
+
+def test_a_crafted_planner_section_the_manifest_vouches_for_is_never_read_by_a_load(
+    saved: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load of a whole state never reads the planner data, so it never parses the section:
+    one that a writer of the manifest crafted loads (nothing in it is used), and reading it
+    is refused, naming the file. One the manifest does not vouch for is refused by its
+    CRC32C (`test_a_swapped_one_is_refused_against_the_manifest`)."""
+    path = _copy(saved, tmp_path)
+    where = path / DCP / NATIVE_METADATA_FILE
+    header, table, _ = _split(where.read_bytes())
+    section = json.dumps([["w"], [[{"__reduce__": "os.system"}]]]).encode()
+    where.write_bytes(_record(header | {"planner": len(section)}, table + section))
+    rerecord(path, f"{DCP}/{NATIVE_METADATA_FILE}")
+    decoded = _spy_decode(monkeypatch)
+    assert_same_state(_load(path, verify="size"), make_module())
+    assert len(decoded) == 1 and not decoded[0].planner_built
+    with pytest.raises(CorruptCheckpointError, match=f"'{where}'.*planner path of 'w'"):
+        decoded[0].planner_data  # noqa: B018
 
 
 # -- crafted records ---------------------------------------------------------------------------
@@ -124,16 +186,22 @@ def _record(header: dict[str, Any] | bytes, ints: bytes = b"") -> bytes:
 
 def _header(**changes: Any) -> dict[str, Any]:
     h: dict[str, Any] = {
-        "version": 1,
+        "version": 2,
         "dcp_version": "1.0.0",
         "storage_meta": None,
-        "planner_data": None,
+        "planner": None,
         "files": ["__0_0.distcp"],
         "tensors": [["w", "float32", False, False, [4], 1]],
         "bytes": [],
         "ints": 6,
     }
     return h | changes
+
+
+def _v1(**changes: Any) -> dict[str, Any]:
+    """A header of version 1: the planner data in it (`planner_data`), no planner section."""
+    h = _header(version=1, **changes)
+    return {"planner_data": h.pop("planner")} | h
 
 
 def _ints(*values: int) -> bytes:
@@ -182,7 +250,12 @@ CRAFTED: dict[str, tuple[bytes, str]] = {
     # `json.loads` of the bytes guessed UTF-16 and read this; the record is UTF-8 (ASCII) only
     "header in UTF-16": (_record(json.dumps(_header()).encode("utf-16-le"), GOOD_INTS), "JSON"),
     "an extra field": (_record(_header(code="import os"), GOOD_INTS), "exactly the fields"),
-    "another version": (_record(_header(version=2), GOOD_INTS), "version"),
+    "another version": (_record(_header(version=3), GOOD_INTS), "version 3 is not"),
+    "version 1 with a planner section": (
+        _record(_header(version=1, planner=None), GOOD_INTS),
+        "exactly the fields",
+    ),
+    "a planner section past the end": (_record(_header(planner=10), GOOD_INTS), "'planner'"),
     "ints not the table": (_record(_header(ints=7), GOOD_INTS), "'ints'"),
     "ints not a number": (_record(_header(ints="6"), GOOD_INTS), "'ints'"),
     "negative in the table": (_record(_header(), _ints(0, 4, 0, 0, -1, 100)), "negative"),
@@ -219,8 +292,8 @@ CRAFTED: dict[str, tuple[bytes, str]] = {
         _record(_header(tensors=[["w", "float32", 0, False, [4], 1]]), GOOD_INTS),
         "flags",
     ),
-    "a path element not plain": (
-        _record(_header(planner_data=[["w", [{"__reduce__": "os.system"}]]]), GOOD_INTS),
+    "a path element not plain (version 1)": (
+        _record(_v1(planner_data=[["w", [{"__reduce__": "os.system"}]]]), GOOD_INTS),
         "planner_data",
     ),
     "storage meta with extras": (
@@ -252,19 +325,40 @@ def test_a_crafted_record_is_refused_naming_the_file(name: str, tmp_path: Path) 
         native_metadata.decode(data, f"{tmp_path}/rec")
 
 
+def _with_planner(section: bytes) -> bytes:
+    """A good record with `section` as its planner section."""
+    return _record(_header(planner=len(section)), GOOD_INTS + section)
+
+
 def test_a_record_never_runs_code(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     evil = pickle.dumps(Calls(os.system, shell(marker)))
+    code = f"__import__('os').system('touch {marker}')"
     for data in (
         native_metadata.MAGIC + evil,  # a pickle behind the magic
         _record(_header(dcp_version=evil.decode("latin-1")), GOOD_INTS),  # one in a string
-        _record(_header(planner_data=[["w", [f"__import__('os').system('touch {marker}')"]]])),
+        _with_planner(json.dumps([["w"], [[code]]]).encode()),
+        _with_planner(evil),
     ):
         try:
-            native_metadata.decode(data, "rec")
+            native_metadata.decode(data, "rec").planner_data  # noqa: B018
         except CorruptCheckpointError:
             pass
     assert not marker.exists()
+
+
+def test_a_crafted_planner_section_is_refused_when_read_naming_the_file(tmp_path: Path) -> None:
+    """The planner section is parsed on first use (`planner_data`), and checked then as the
+    header is when decoded."""
+    where = f"{tmp_path}/rec"
+    for section, why in (
+        (json.dumps([["w"], [[{"__reduce__": "os.system"}]]]).encode(), "planner path of 'w'"),
+        (b"\x80\x04K\x01.", "not JSON"),  # a pickle
+        (b'{"w": ["w"]}', "not two lists"),
+    ):
+        md = native_metadata.decode(_with_planner(section), where)
+        with pytest.raises(CorruptCheckpointError, match=f"'{where}'.*{why}"):
+            md.planner_data  # noqa: B018
 
 
 def _peak(fn: Any) -> int:
@@ -294,6 +388,37 @@ def _refused(data: bytes) -> None:
 def test_a_crafted_header_costs_memory_in_proportion_to_its_size(head: bytes) -> None:
     data = _record(head)
     peak = _peak(lambda: _refused(data))
+    assert peak <= 20 * len(data) + (1 << 20), (peak, len(data))
+
+
+@pytest.mark.parametrize(
+    "section",
+    [
+        b'[["w"],[' + b"[" * 200_000 + b"]" * 200_000 + b"]]",
+        b'[["w"],[' + b"[" * 20_000 + b" " * 200_000 + b"]" * 20_000 + b"]]",
+        b"[[],[" + b"[]," * 100_000 + b"[]]]",
+        b'[["w"],[[' + b",".join(b'"%d"' % i for i in range(50_000)) + b"]]]",
+        b"[["
+        + b",".join(b'"%d"' % i for i in range(50_000))
+        + b"],["
+        + b",".join(b'["%d",%d]' % (i, i) for i in range(50_000))
+        + b"]]",
+    ],
+    ids=["deep", "deep-sparse", "wide-lists", "wide-strings", "good"],
+)
+def test_a_crafted_planner_section_costs_memory_in_proportion_to_its_size(section: bytes) -> None:
+    """Read on first use, the section is bounded as the header is (`BYTES_PER_CONTAINER`);
+    a good one as well as crafted ones."""
+    data = _with_planner(section)
+    md = native_metadata.decode(data, "rec")
+
+    def read() -> None:
+        try:
+            md.planner_data  # noqa: B018
+        except CorruptCheckpointError:
+            pass
+
+    peak = _peak(read)
     assert peak <= 20 * len(data) + (1 << 20), (peak, len(data))
 
 

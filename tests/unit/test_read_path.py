@@ -223,18 +223,30 @@ def test_two_paths_to_one_key_still_fail_as_in_dcp() -> None:
 # -- the native metadata's columns --------------------------------------------------------------
 
 
-def _record(header: dict[str, Any], ints: list[int]) -> bytes:
+_PLANNER = {"w": ["w"], "v": ["v"]}
+
+
+def _record(header: dict[str, Any], ints: list[int], planner: Any = _PLANNER) -> bytes:
+    """A record of `header` and the chunk table `ints`; from version 2 on, `planner` after the
+    table (a dict: as its keys and paths; bytes as they are; else as JSON; None: no section),
+    its length in the header unless the header has one."""
+    section = b""
+    if header["version"] != 1:
+        if isinstance(planner, dict):
+            planner = [list(planner), list(planner.values())]
+        if planner is not None:
+            section = planner if isinstance(planner, bytes) else json.dumps(planner).encode()
+        header = {"planner": None if planner is None else len(section)} | header
     head = json.dumps(header).encode()
     table = b"".join(v.to_bytes(8, "little", signed=True) for v in ints)
-    return native_metadata.MAGIC + len(head).to_bytes(8, "little") + head + table
+    return native_metadata.MAGIC + len(head).to_bytes(8, "little") + head + table + section
 
 
 def _header(**changes: Any) -> dict[str, Any]:
     h: dict[str, Any] = {
-        "version": 1,
+        "version": 2,
         "dcp_version": "1.0.0",
         "storage_meta": None,
-        "planner_data": [["w", ["w"]], ["v", ["v"]]],
         "files": ["__0_0.distcp"],
         "tensors": [["w", "float32", False, False, [4], 1]],
         "bytes": [["v", 0, 0, 100, 20]],
@@ -248,7 +260,7 @@ _INTS = [0, 4, 1, 0, 0, 100]
 
 def test_the_columns_build_what_the_records_do(tmp_path: Path) -> None:
     """On a real record, the column checks accept it and build the very `Metadata` that the
-    record-by-record checks build."""
+    record-by-record checks build; its planner data is DCP's own (in `.metadata`)."""
     state = _nested_state()
     save_state(state, tmp_path / "dcp", group=None, thread_count=1)
     data = (tmp_path / "dcp" / ".metadata.trainckpt").read_bytes()
@@ -257,11 +269,15 @@ def test_the_columns_build_what_the_records_do(tmp_path: Path) -> None:
     header = json.loads(data[16 : 16 + int.from_bytes(data[8:16], "little")])
     entries: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
-    slow.tensors(header["tensors"], _table(data), header["files"], entries, storage)
+    table = _table(data)[: header["ints"]]  # the planner section follows it
+    slow.tensors(header["tensors"], table, header["files"], entries, storage)
     slow.byte_values(header["bytes"], header["files"], entries, storage)
     assert fast.state_dict_metadata == entries and fast.storage_data == storage
     assert list(fast.state_dict_metadata) == list(entries)
-    assert fast.planner_data == slow.planner_data(header["planner_data"])
+    with open(tmp_path / "dcp" / ".metadata", "rb") as f:
+        dcp_own = pickle.load(f)  # written by this test
+    assert fast.planner_data == dcp_own.planner_data and fast.planner_data
+    assert fast == dcp_own
 
 
 def test_the_storage_keys_are_built_when_first_read_and_copies_share_them(
@@ -286,11 +302,12 @@ def test_the_storage_keys_are_built_when_first_read_and_copies_share_them(
     assert md.storage_data and not twin.storage_data
 
 
-def test_the_planner_data_is_checked_when_decoded_and_built_when_first_read() -> None:
-    """`planner_data` is checked by `decode` (a bad path part is refused there: CRAFTED) but
-    built on first use, the same in every copy; a null one is None at once."""
-    header = _header(planner_data=[["w", ["model", "w"]], ["v", ["optim", 0, "v"]]])
-    md = native_metadata.decode(_record(header, _INTS), "rec")
+def test_the_planner_data_is_parsed_and_checked_when_first_read() -> None:
+    """`planner_data` (its own section, version 2) is not parsed by `decode`: it is parsed,
+    checked (CRAFTED_PLANNER) and built on first use, the same in every copy; a null one is
+    None at once."""
+    planner = {"w": ["model", "w"], "v": ["optim", 0, "v"]}
+    md = native_metadata.decode(_record(_header(), _INTS, planner), "rec")
     assert isinstance(md, native_metadata.NativeMetadata) and not md.planner_built
     twin = copy.copy(md)
     assert md.planner_data == {"w": ("model", "w"), "v": ("optim", 0, "v")}
@@ -298,9 +315,44 @@ def test_the_planner_data_is_checked_when_decoded_and_built_when_first_read() ->
     assert pickle.loads(pickle.dumps(md)).planner_data == md.planner_data
     twin.planner_data = {}  # a copy's own value, not its twin's
     assert md.planner_data and twin.planner_data == {}
-    empty = native_metadata.decode(_record(_header(planner_data=None), _INTS), "rec")
+    empty = native_metadata.decode(_record(_header(), _INTS, None), "rec")
     assert isinstance(empty, native_metadata.NativeMetadata) and empty.planner_built
     assert empty.planner_data is None
+    assert native_metadata.decode(_record(_header(), _INTS, {}), "rec").planner_data == {}
+
+
+@pytest.mark.parametrize("planner", [None, {}, {"w": ("model", "w"), "v": ("optim", 0, "v")}])
+def test_the_planner_data_round_trips(planner: Any) -> None:
+    """Written as its own section (or none, for None) and read back equal, as a tuple per
+    key; a path of other types leaves the metadata to `.metadata` (`encode` says None)."""
+    decoded = native_metadata.decode(_record(_header(), _INTS), "rec")
+    md = Metadata(decoded.state_dict_metadata, storage_data=dict(decoded.storage_data))
+    again = native_metadata.decode(
+        native_metadata.encode(dataclasses.replace(md, planner_data=planner)) or b"", "rec"
+    )
+    assert again.planner_data == planner and again.state_dict_metadata == md.state_dict_metadata
+    for bad in ({"w": ["model", "w"]}, {"w": ("model", True)}, {"w": ("model", 1.5)}, {1: ("w",)}):
+        assert native_metadata.encode(dataclasses.replace(md, planner_data=bad)) is None
+
+
+def test_a_version_1_record_is_still_read_its_planner_data_checked_when_decoded() -> None:
+    """Records of trainckpt before version 2 have the planner data in the header (a list of
+    [key, path]) and no section after the table: still read, checked when decoded."""
+    v1 = _header(version=1, planner_data=[["w", ["model", "w"]], ["v", ["optim", 0, "v"]]])
+    md = native_metadata.decode(_record(v1, _INTS), "rec")
+    assert md.planner_data == {"w": ("model", "w"), "v": ("optim", 0, "v")}
+    v2 = native_metadata.decode(_record(_header(), _INTS), "r")
+    assert md.state_dict_metadata == v2.state_dict_metadata
+    assert (
+        native_metadata.decode(_record(v1 | {"planner_data": None}, _INTS), "r").planner_data
+        is None
+    )
+    for bad in ([["w", [1.5]]], [["w", [True]]]):
+        with pytest.raises(CorruptCheckpointError, match="'rec'.*planner_data"):
+            native_metadata.decode(_record(v1 | {"planner_data": bad}, _INTS), "rec")
+    # the fields of one version only
+    with pytest.raises(CorruptCheckpointError, match="'rec'.*exactly the fields"):
+        native_metadata.decode(_record(v1 | {"version": 2}, _INTS, None), "rec")
 
 
 def _table(data: bytes) -> list[int]:
@@ -341,8 +393,27 @@ CRAFTED: dict[str, tuple[dict[str, Any], list[int], str]] = {
         "chunks",
     ),
     "a chunk's file not listed": (_header(), [0, 4, 1, 1, 0, 100], "not listed"),
-    "a planner path with a float": (_header(planner_data=[["w", [1.5]]]), _INTS, "planner_data"),
-    "a planner path with a bool": (_header(planner_data=[["w", [True]]]), _INTS, "planner_data"),
+    "a planner length past the file": (_header(planner=10**6), _INTS, "'ints'"),
+    "a planner length short of the file": (_header(planner=3), _INTS, "'ints'"),
+    "a planner length that is text": (_header(planner="25"), _INTS, "'planner'"),
+    "a negative planner length": (_header(planner=-1), _INTS, "'planner'"),
+}
+
+CRAFTED_PLANNER: dict[str, tuple[Any, str]] = {
+    "a path with a float": ({"w": [1.5]}, r"planner path of 'w'"),
+    "a path with a bool": ({"w": ["a"], "v": [True]}, r"planner path of 'v'"),
+    "a path with an object": ({"w": [{"__reduce__": "os.system"}]}, "planner path of 'w'"),
+    "a path with a list": ({"w": [["w"]]}, "planner path of 'w'"),
+    "a path that is text": ({"w": "w"}, "planner path of 'w'"),
+    "a path that is null": ({"w": None}, "planner path of 'w'"),
+    "a list of pairs (version 1)": ([["w", ["w"]]], "not two lists"),
+    "an object": (b'{"w": ["w"]}', "not two lists"),
+    "more keys than paths": ([["w", "v"], [["w"]]], "not two lists"),
+    "a key that is a number": ([[1], [["w"]]], "planner key"),
+    "a key twice": ([["w", "w"], [["w"], ["v"]]], "twice"),
+    "not JSON": (b'{"w": ["w"]', "not JSON"),
+    "not UTF-8": (b'{"w": ["\xff"]}', "not JSON"),
+    "too many containers": (b"[" * 64 + b"]" * 64, "lists and objects"),
 }
 
 
@@ -351,6 +422,22 @@ def test_a_crafted_column_is_refused_and_named(name: str) -> None:
     header, ints, why = CRAFTED[name]
     with pytest.raises(CorruptCheckpointError, match=f"'rec'.*{why}"):
         native_metadata.decode(_record(header, ints), "rec")
+
+
+@pytest.mark.parametrize("name", sorted(CRAFTED_PLANNER))
+def test_a_crafted_planner_section_is_refused_and_named_when_read(name: str) -> None:
+    """The section is parsed only when `planner_data` is read: a load that never reads it
+    decodes the record (the manifest's CRC32C of the whole file vouches for its bytes,
+    `docs/scale.md`); the first read refuses it, naming the file, and so does every later
+    one (nothing half-built is kept)."""
+    planner, why = CRAFTED_PLANNER[name]
+    md = native_metadata.decode(_record(_header(), _INTS, planner), "rec")
+    assert set(md.state_dict_metadata) == {"w", "v"}
+    for _ in range(2):
+        with pytest.raises(CorruptCheckpointError, match=f"'rec'.*{why}"):
+            md.planner_data  # noqa: B018
+    with pytest.raises(CorruptCheckpointError, match="'rec'"):
+        pickle.dumps(md)  # pickling reads it too
 
 
 def test_a_good_small_record_is_read_by_the_columns() -> None:

@@ -6,14 +6,21 @@ the folder); trainckpt's loader reads it instead of `.metadata` when it is there
 checkpoint has a manifest, listed in it with the size and CRC32C read. Layout
 (`docs/design.md`, "Layout"):
 
-    b"TCKPTMD1"                      8 bytes, magic and version
+    b"TCKPTMD1"                      8 bytes, magic
     header length                    8 bytes, unsigned little-endian
     header                           UTF-8 JSON object, at most MAX_HEADER_BYTES
     chunk table                      little-endian int64s, `header["ints"]` of them
+    planner section                  `header["planner"]` bytes (none if null): DCP's planner
+                                     data, JSON [[key, ...], [[path element, ...], ...]]
 
 The header holds one record per state entry (tensors: name, dtype, flags, size and chunk
-count; byte values: name and place), the shard file names, DCP's planner data and storage
-meta. The chunk table holds, for every chunk of every tensor in header order, its offsets and
+count; byte values: name and place), the shard file names and DCP's storage meta. DCP's
+planner data (a path per DCP entry: most of what a JSON parse of the record would make, and
+never read by a load of a whole state) is a section of its own after the table, parsed and
+checked only when `planner_data` is first read (`docs/scale.md`, "The planner data read on
+first use"); it is bounded like the header. Records of version 1 (trainckpt before that) have
+it in the header as `[[key, [path element, ...]], ...]` and no section; they are still
+decoded. The chunk table holds, for every chunk of every tensor in header order, its offsets and
 sizes (`ndim` each), its index hint + 1 (0: none), its file's position in `files`, and its
 offset and length in that file: all non-negative, checked in one pass.
 
@@ -36,6 +43,7 @@ Called on: rank 0 at the end of a save (`encode`); any rank that plans a load (`
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import sys
@@ -70,9 +78,11 @@ from torch.distributed.checkpoint.resharding import (
 from trainckpt.errors import CorruptCheckpointError
 
 MAGIC = b"TCKPTMD1"
-VERSION = 1
+VERSION = 2
+"""Version 2: planner data in its own section; 1: in the header (still read)."""
 MAX_HEADER_BYTES = 256 * 1024 * 1024
-"""Largest header read: ~200 bytes per state entry, so about a million entries per folder."""
+"""Largest header (or planner section) read: ~200 bytes per state entry, so about a million
+entries per folder."""
 BYTES_PER_CONTAINER = 8
 """The header may hold at most one JSON list or object per this many of its bytes: every
 record of a real header is longer, and it bounds what a crafted `[[[],[],...` can cost in
@@ -107,6 +117,7 @@ class Parts:
     head_before: bytes
     head_after: bytes
     table: bytes
+    planner: bytes = b""  # the planner section
 
     def with_storage_meta(self, meta: StorageMeta | None) -> bytes | None:
         """The whole record with `meta` in its place; None if the format cannot hold `meta`."""
@@ -117,7 +128,7 @@ class Parts:
         head = self.head_before + middle + self.head_after
         if len(head) > MAX_HEADER_BYTES:
             return None
-        return MAGIC + len(head).to_bytes(8, "little") + head + self.table
+        return b"".join((MAGIC, len(head).to_bytes(8, "little"), head, self.table, self.planner))
 
 
 def encode_parts(md: Metadata) -> Parts | None:
@@ -186,11 +197,13 @@ def _encode(md: Metadata) -> Parts:
             ints += (_hint(key), files[info.relative_path], info.offset, info.length)
     _need(not by_key)  # every stored piece belongs to exactly one entry
     marker = f"trainckpt-storage-meta-{uuid.uuid4().hex}"  # the place of the storage meta
+    planner = _encode_planner_data(md.planner_data)
+    _need(planner is None or len(planner) <= MAX_HEADER_BYTES)
     header = {
         "version": VERSION,
         "dcp_version": md.version,
         "storage_meta": marker,
-        "planner_data": _encode_planner_data(md.planner_data),
+        "planner": None if planner is None else len(planner),
         "files": list(files),
         "tensors": tensors,
         "bytes": byte_values,
@@ -203,7 +216,7 @@ def _encode(md: Metadata) -> Parts:
     table = array("q", ints)
     if sys.byteorder == "big":
         table.byteswap()
-    return Parts(before, after, table.tobytes())
+    return Parts(before, after, table.tobytes(), planner or b"")
 
 
 def _pop(by_key: dict[Any, tuple[MetadataIndex, _StorageInfo]], key: Any) -> Any:
@@ -232,16 +245,16 @@ def _encode_storage_meta(meta: StorageMeta | None) -> dict[str, Any] | None:
     }
 
 
-def _encode_planner_data(data: Any) -> list[list[Any]] | None:
+def _encode_planner_data(data: Any) -> bytes | None:
+    """The planner section: `data` as two JSON lists, its keys and their paths (a tuple is
+    written as a list; two arrays parse faster than an object), checked column by column first
+    (no list made per entry)."""
     if data is None:
         return None
-    _need(isinstance(data, dict))
-    out = []
-    for fqn, path in data.items():
-        _need(isinstance(fqn, str) and isinstance(path, tuple))
-        _need(all(type(p) in (str, int) for p in path))
-        out.append([fqn, list(path)])
-    return out
+    _need(isinstance(data, dict) and all(isinstance(fqn, str) for fqn in data))
+    _need(not data or _types(data.values()) == {tuple})
+    _need(_types(itertools.chain.from_iterable(data.values())) <= _PATH_PART_TYPES)
+    return _json([list(data), list(data.values())])
 
 
 # -- reading (any rank) ------------------------------------------------------------------------
@@ -251,10 +264,10 @@ class NativeMetadata(Metadata):
     """The `Metadata` decoded from a record, with its `storage_data` (a mapping answered from
     the chunk table, `_Storage`) made on first use, and `pieces`:
     the stored piece of each entry that has exactly one (byte values, tensors of one chunk) by
-    name, all that a load of whole entries needs (`shard_reader`). Its `planner_data` (checked
-    when decoded) is likewise built on first use: DCP's load of a whole state never reads it.
-    Copies (`copy.copy`) share what is built; pickling, `dataclasses.replace` and equality
-    see a plain `Metadata`."""
+    name, all that a load of whole entries needs (`shard_reader`). Its `planner_data` is
+    likewise made on first use (and, from a version 2 record, parsed and checked then): DCP's
+    load of a whole state never reads it. Copies (`copy.copy`) share what is built; pickling,
+    `dataclasses.replace` and equality see a plain `Metadata`."""
 
     def __init__(
         self,
@@ -375,6 +388,9 @@ class _Decoder:
             header = json.loads(str(memoryview(data)[_PREFIX:end], "utf-8"))
         except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
             raise self.fail(f"its header is not JSON ({type(e).__name__})") from None
+        record_version = header.get("version") if isinstance(header, dict) else None
+        v1 = type(record_version) is int and record_version == 1  # planner data in the header
+        planner_field = "planner_data" if v1 else "planner"
         h = self.fields(
             header,
             "header",
@@ -382,19 +398,28 @@ class _Decoder:
                 "version",
                 "dcp_version",
                 "storage_meta",
-                "planner_data",
+                planner_field,
                 "files",
                 "tensors",
                 "bytes",
                 "ints",
             ),
         )
-        self.check(h["version"] == VERSION, f"version {h['version']!r} is not {VERSION}")
-        table_bytes = len(data) - _PREFIX - head_len
+        self.check(
+            type(record_version) is int and record_version in (1, VERSION),
+            f"version {record_version!r} is not 1 or {VERSION}",
+        )
+        planner_len = 0 if v1 else h["planner"]
+        self.check(
+            planner_len is None or (type(planner_len) is int and planner_len >= 0),
+            f"'planner' ({planner_len!r}) is not null or a length",
+        )
+        table_bytes = len(data) - _PREFIX - head_len - (planner_len or 0)
         count = h["ints"]
         self.check(
             type(count) is int and count * 8 == table_bytes,
-            f"'ints' ({count!r}) does not match the {table_bytes} bytes of its chunk table",
+            f"'ints' ({count!r}) and 'planner' ({planner_len!r}) do not match the "
+            f"{len(data) - _PREFIX - head_len} bytes after its header",
         )
         table = _int64s(data, _PREFIX + head_len, count)
         self.check(
@@ -414,10 +439,19 @@ class _Decoder:
         if not _fast_byte_values(h["bytes"], files, entries, pieces, parts):
             self.byte_values(h["bytes"], files, entries, storage)
             pieces = None
-        build_planner = _fast_planner_data(h["planner_data"])
         planner_data = None
-        if build_planner is None:
-            planner_data = self.planner_data(h["planner_data"])
+        build_planner: Callable[[], dict[str, tuple[str | int, ...]]] | None = None
+        if v1:
+            build_planner = _fast_planner_data(h["planner_data"])
+            if build_planner is None:
+                planner_data = self.planner_data(h["planner_data"])
+        elif planner_len is not None:
+            self.check(
+                planner_len <= MAX_HEADER_BYTES,
+                f"its planner section of {planner_len} bytes exceeds {MAX_HEADER_BYTES}",
+            )
+            start = _PREFIX + head_len + 8 * count
+            build_planner = functools.partial(self.planner_section, start, start + planner_len)
         storage_meta = self.storage_meta(h["storage_meta"])
         version = self.optional_str(h["dcp_version"], "dcp_version")
         if pieces is None:  # built record by record: made whole
@@ -534,7 +568,46 @@ class _Decoder:
                 files[file], offset, length
             )
 
+    def planner_section(self, start: int, end: int) -> dict[str, tuple[str | int, ...]]:
+        """The planner data in `data[start:end]` (version 2), checked: made when
+        `planner_data` is first read, so a malformed section is refused then, naming the
+        file. A load that never reads it does not notice one, which changes nothing it loads;
+        the manifest's CRC32C of the whole file, checked before the record is decoded where
+        there is a manifest, covers it (`docs/design.md`, "Layout")."""
+        data = self.data
+        containers = data.count(b"[", start, end) + data.count(b"{", start, end)
+        self.check(
+            containers * BYTES_PER_CONTAINER <= max(end - start, 64),
+            f"its planner section has {containers} lists and objects in {end - start} bytes",
+        )
+        try:
+            obj = json.loads(str(memoryview(data)[start:end], "utf-8"))
+        except (ValueError, RecursionError) as e:
+            raise self.fail(f"its planner section is not JSON ({type(e).__name__})") from None
+        self.check(
+            type(obj) is list
+            and len(obj) == 2
+            and _types(obj) == {list}
+            and len(obj[0]) == len(obj[1]),
+            "its planner section is not two lists of equal length (keys, paths)",
+        )
+        keys, paths = obj
+        self.check(not keys or _types(keys) == {str}, "a planner key is not a string")
+        if (paths and _types(paths) != {list}) or not _types(
+            itertools.chain.from_iterable(paths)
+        ) <= _PATH_PART_TYPES:
+            key, path = next(
+                (k, p)
+                for k, p in zip(keys, paths, strict=True)
+                if type(p) is not list or not _types(p) <= _PATH_PART_TYPES
+            )
+            raise self.fail(f"the planner path of {key!r:.80} is not [str|int...]: {path!r:.80}")
+        out = dict(zip(keys, map(tuple, paths), strict=True))
+        self.check(len(out) == len(keys), "a planner key is there twice")
+        return out
+
     def planner_data(self, obj: Any) -> dict[str, tuple[str | int, ...]] | None:
+        """The planner data of a version 1 record (in its header)."""
         if obj is None:
             return None
         self.check(isinstance(obj, list), "'planner_data' is not a list")
