@@ -179,7 +179,7 @@ def test_a_two_rank_save_planned_anew_loads_bit_exactly_in_plain_dcp(tmp_path: P
 
 
 def test_the_writers_results_are_dcps_and_cost_the_collector_no_more() -> None:
-    """`shard_writer._results` sets the attributes DCP's constructors set (same equality
+    """`shard_writer.write_results` sets the attributes DCP's constructors set (same equality
     and pickle), and, like the plan's byte items, makes no more objects for the
     collector than those constructors (no attribute dict per object)."""
     import gc
@@ -193,7 +193,7 @@ def test_the_writers_results_are_dcps_and_cost_the_collector_no_more() -> None:
     state = {f"v{i}": float(i) for i in range(500)}
     items = plan_cache.local_save_plan(state, {}).items
     spans = [(i * 10, 10 + i % 3) for i in range(len(items))]
-    ours = shard_writer._results(items, "__0_0.distcp", spans)
+    ours = shard_writer.write_results(items, "__0_0.distcp", spans)
     theirs = [
         WriteResult(item.index, n, _StorageInfo("__0_0.distcp", offset, n))
         for item, (offset, n) in zip(items, spans, strict=True)
@@ -209,7 +209,7 @@ def test_the_writers_results_are_dcps_and_cost_the_collector_no_more() -> None:
         del kept
         return count
 
-    assert tracked(lambda: shard_writer._results(items, "f", spans)) <= tracked(
+    assert tracked(lambda: shard_writer.write_results(items, "f", spans)) <= tracked(
         lambda: [
             WriteResult(item.index, n, _StorageInfo("f", offset, n))
             for item, (offset, n) in zip(items, spans, strict=True)

@@ -266,7 +266,7 @@ class Session:
         files are written (`record` waits for it), for the next save to compare. A hint
         never makes an item unchanged: only equal hashes do. Keys are plain tuples (fqn,
         offset, kind), hashed in C; what depends only on the plan is kept with it (`_Plan`)."""
-        from trainckpt.format.shard_writer import Layout, ReusedResult, _results
+        from trainckpt.format.shard_writer import Layout, ReusedResult, write_results
 
         history = self.history
         plan = self._plan = history.plan(items)
@@ -321,14 +321,14 @@ class Session:
             kept = results.get(id(f))
             if kept is None or kept[0] is not f or kept[1] is not items:
                 places = [(i.offset, i.length) for i in f.items]
-                kept = (f, items, _results([item_of()[k] for k in f.keys], f.name, places))
+                kept = (f, items, write_results([item_of()[k] for k in f.keys], f.name, places))
             rows = kept[2]
             first = rows[0]
             if type(first) is not ReusedResult or first.source_save_id != f.save_id:
                 # a file the last save wrote: its results then, the first naming that save
                 head = f.items[0]
                 span = [(head.offset, head.length)]
-                rows = _results([item_of()[head.key]], f.name, span, f.save_id) + rows[1:]
+                rows = write_results([item_of()[head.key]], f.name, span, f.save_id) + rows[1:]
                 kept = (f, items, rows)
             history.file_results[id(f)] = kept
             self._reused += rows
@@ -431,7 +431,7 @@ class Session:
         as the last save wrote it (same plan, name, items by identity, places) keeps that
         save's results; when every file is as in the last save (the same `SavedFile`s taken
         over), the last save's very list is handed out again."""
-        from trainckpt.format.shard_writer import _results
+        from trainckpt.format.shard_writer import write_results
 
         plan = self._plan
         assert plan is not None
@@ -450,7 +450,7 @@ class Session:
             if found is not None and found[1] == spans and _same_items(found[0], items):
                 per_file.append(found[2])
             else:
-                per_file.append(_results(items, name, spans))
+                per_file.append(write_results(items, name, spans))
         if (
             last is not None
             and len(last.per_file) == len(per_file)

@@ -265,12 +265,12 @@ class _Files:
         results: list[WriteResult] = []
         for items, done in zip(self.buckets, written, strict=True):
             name = done.name
-            results += _results(items, name, done.spans)
+            results += write_results(items, name, done.spans)
         self.last = (written, results)
         return results
 
 
-def _results(
+def write_results(
     items: Sequence[WriteItem],
     name: str,
     spans: Iterable[tuple[int, int]],
@@ -323,7 +323,7 @@ _SAME_FIELDS = list(ReusedResult(None, 0, None).__dict__) == [  # type: ignore[a
     ("length", 0),
     ("transform_descriptors", None),
 ]
-"""Whether DCP's constructors (and `ReusedResult`'s) set exactly the attributes `_results` sets
+"""Whether DCP's constructors (and `ReusedResult`'s) set exactly the attributes `write_results` sets
 itself."""
 
 
