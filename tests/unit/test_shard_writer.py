@@ -6,7 +6,9 @@ import filecmp
 import io
 import json
 import threading
+import tracemalloc
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import google_crc32c
@@ -240,6 +242,26 @@ def test_small_items_written_together_each_keep_their_place_and_crc32c(
         assert offset == end
         end = offset + length
     assert data[end : end + 9] == b'{"file": '  # then the item record, nothing between
+
+
+def test_sharing_equal_small_items_keeps_memory_to_about_a_batch(tmp_path: Path) -> None:
+    """Equal items share a place, but the bytes kept to find them are bounded: a file of 24 MB
+    of distinct items just under `ItemTemplates.SMALL` (each handed over, then dropped by its
+    producer) peaks at a few batches of memory, not the file's size."""
+    size = 900_000
+
+    def items() -> Iterator[bytes]:
+        for i in range(28):
+            yield bytes([i]) * size  # distinct, each made when its turn comes
+
+    tracemalloc.start()
+    try:
+        done = shard_writer.write_shard(tmp_path, "s.distcp", items(), "id", fsync=False)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(set(done.spans)) == 28
+    assert peak < 6 * shard_writer._SmallItems.BATCH, peak
 
 
 def test_items_go_to_files_as_dcps_own_writer_splits_them() -> None:

@@ -524,7 +524,9 @@ class _SmallItems:
 
     A small item whose bytes equal one already in the file is not written again: its place
     is that item's (DCP's `.metadata` maps each item to an offset and a length, and nothing
-    asks them to be disjoint; every reader reads each item's range on its own). A flattened
+    asks them to be disjoint; every reader reads each item's range on its own). Items longer
+    than `plain_values.MAX_ITEM_BYTES` are shared only within their run, so the bytes kept to
+    compare stay about one batch, not the file's. A flattened
     optimizer state holds thousands of equal hyperparameters of about 1.2 KB each (a
     `torch.save` of a float), and the AdamW step counters are equal tensors: at 64,000 state
     entries that was most of the bytes written and read back (docs/scale.md)."""
@@ -538,7 +540,7 @@ class _SmallItems:
         self._crcs: dict[bytes, int] = {}
         self._placed: dict[bytes, tuple[int, int, int]] = {}
         """Small items written to this file (or pending), by their bytes: (offset, length,
-        CRC32C)."""
+        CRC32C); those longer than `plain_values.MAX_ITEM_BYTES` only within their run."""
 
     def add_items(self, items: list[bytes]) -> None:
         """Append tensors' items, in order (equal ones shared)."""
@@ -570,6 +572,9 @@ class _SmallItems:
             self._pending += new
             self._size += sum(lengths)
         self._parts.extend(map(placed.__getitem__, items))
+        for data in new:  # only items as small as a plain value stay shared past their run:
+            if len(data) > plain_values.MAX_ITEM_BYTES:  # memory stays about one batch
+                del placed[data]
         if self._size >= self.BATCH:
             self.flush()
 
