@@ -121,6 +121,16 @@ def test_a_field_an_older_writer_did_not_have_reads_as_its_default(metadata_byte
     read = load_dcp_metadata(pickle.dumps(md), "md")
     assert {i.transform_descriptors for i in read.storage_data.values()} == {None}
     assert read.storage_meta.modules == []
+    # Left out of some records only: those read as the default, the others are checked.
+    first, second = list(md.storage_data)[:2]
+    md.storage_data[first].__dict__["transform_descriptors"] = ["zstd"]
+    read = load_dcp_metadata(pickle.dumps(md), "md")
+    assert read.storage_data[first].transform_descriptors == ["zstd"]
+    assert read.storage_data[second].transform_descriptors is None
+    md.storage_data[first].__dict__["transform_descriptors"] = 7
+    with pytest.raises(UnsafeCheckpointError, match=r"_StorageInfo.transform_descriptors of type"):
+        load_dcp_metadata(pickle.dumps(md), "md")
+    del md.storage_data[first].__dict__["transform_descriptors"]
     next(iter(md.storage_data.values())).__dict__["extra"] = 1
     with pytest.raises(UnsafeCheckpointError, match=r"_StorageInfo with field\(s\) \['extra'\]"):
         load_dcp_metadata(pickle.dumps(md), "md")

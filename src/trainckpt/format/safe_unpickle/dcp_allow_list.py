@@ -90,9 +90,10 @@ def _inside_folder(paths: list[str]) -> bool:
     """Storage records' files: relative, never `..` (DCP's reader joins them to the folder)."""
     if not paths:
         return True
-    if min(map(len, paths)) == 0 or any(map(methodcaller("startswith", ("/", "\\")), paths)):
+    unique = set(paths)  # a file's name is one string, shared by its records
+    if min(map(len, unique)) == 0 or any(map(str.startswith, unique, repeat(("/", "\\")))):
         return False
-    dotted = filter(methodcaller("__contains__", ".."), paths)  # rare: checked exactly
+    dotted = filter(methodcaller("__contains__", ".."), unique)  # rare: checked exactly
     return not any(".." in p.replace("\\", "/").split("/") for p in dotted)
 
 
@@ -273,7 +274,7 @@ class AllowList:
         keys, held = sum(map(len, dicts)), 0  # all the records' keys; those of `cls`'s fields
         for c in self.columns[cls]:
             try:
-                column = list(map(c.read, dicts))
+                column = c.read(dicts)
             except KeyError:  # a field without a plain default (a factory's value is stored)
                 if c.factory is None:
                     raise Refused(f"{cls.__qualname__} without its field {c.name!r}") from None
@@ -281,14 +282,20 @@ class AllowList:
                 for d in missing:
                     d[c.name] = c.factory()
                 held -= len(missing)
-                column = list(map(c.read, dicts))
+                column = c.read(dicts)
             held += len(column)
-            if c.default is not _ABSENT:
-                absent = sum(map(is_, column, repeat(_ABSENT)))
-                if absent:
-                    held -= absent
+            found = set(map(type, column))
+            if _ABSENT_TYPE in found:  # a field left out, read as its plain default (a pickle
+                # cannot build a bare `object`: no allowed global makes one)
+                if len(found) == 1:  # left out of every record (DCP's usual None)
+                    absent = len(column)
+                    column = [c.default] * absent
+                else:
+                    absent = sum(map(is_, column, repeat(_ABSENT)))
                     column = [c.default if v is _ABSENT else v for v in column]
-            if c.kinds is not None and set(map(type, column)) - c.kinds:
+                held -= absent
+                found = (found - {_ABSENT_TYPE}) | {type(c.default)}
+            if c.kinds is not None and found - c.kinds:
                 self._types(f"{cls.__qualname__}.{c.name}", column, c.kinds)
             if c.ok is not None and not c.ok(column):
                 raise Refused(f"{cls.__qualname__}.{c.name}: a value{c.why}")
@@ -300,6 +307,7 @@ class AllowList:
 
 _IDLE: list[AllowList] = []  # given back by loads that ended well (`AllowList.take`)
 _ABSENT = object()
+_ABSENT_TYPE = type(_ABSENT)
 _set_class = object.__dict__["__class__"].__set__  # `obj.__class__ = cls`, at C speed
 
 
@@ -315,7 +323,7 @@ class _Column(NamedTuple):
     """How `_check` reads and checks one field of a record class (`Field`, made ready)."""
 
     name: str
-    read: Callable[[dict[Any, Any]], Any]  # a record's value; `_ABSENT` where the default applies
+    read: Callable[[list[dict[Any, Any]]], list[Any]]  # the records' values (`_ABSENT`: default)
     default: Any  # a plain default (read where a record lacks the field), else `_ABSENT`
     factory: Callable[[], Any] | None  # a default factory: its value is stored in the record
     kinds: frozenset[Any] | None
@@ -334,7 +342,7 @@ def _columns(cls: type, fields: dict[str, Field]) -> tuple[_Column, ...]:
         out.append(
             _Column(
                 name,
-                methodcaller("get", name, _ABSENT) if plain else itemgetter(name),
+                _read(name, plain),
                 default if plain else _ABSENT,
                 None if factory is dataclasses.MISSING else factory,
                 None if field.kinds is None else frozenset(field.kinds),
@@ -343,6 +351,16 @@ def _columns(cls: type, fields: dict[str, Field]) -> tuple[_Column, ...]:
             )
         )
     return tuple(out)
+
+
+def _read(name: str, plain: bool) -> Callable[[list[dict[Any, Any]]], list[Any]]:
+    """The column of field `name` of the records whose dicts are given: `_ABSENT` where a
+    record lacks a field with a `plain` default; a missing field raises KeyError otherwise.
+    (`dict.get` mapped over the dicts: a quarter of the time of a `methodcaller` per record.)"""
+    if plain:
+        return lambda dicts: list(map(dict.get, dicts, repeat(name), repeat(_ABSENT)))
+    get = itemgetter(name)
+    return lambda dicts: list(map(get, dicts))
 
 
 def _refuse_call(self: Any, *args: Any, **kwargs: Any) -> None:
