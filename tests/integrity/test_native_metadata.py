@@ -537,3 +537,34 @@ def test_a_large_record_costs_memory_only_for_what_is_read() -> None:
 
     assert _peak(decode_and_look_up) <= len(data) // 10
     assert decoded[0] == md and decoded[0].storage_data == md.storage_data
+
+
+def test_values_stored_at_one_place_share_it_and_a_damaged_place_is_refused(
+    saved: Path, tmp_path: Path
+) -> None:
+    """The writer stores equal small values once (every parameter's hyperparameters): the
+    decoded record gives the values at one place one `_StorageInfo`, and values at different
+    places their own. The load hands each key its own value (`assert_same_state` compares every
+    hyperparameter), and a flipped byte at a shared place is refused, though the manifest was
+    made to agree with it: the first key that reads the place checks it."""
+    path = _copy(saved, tmp_path)
+    md = native_metadata.decode((path / DCP / NATIVE_METADATA_FILE).read_bytes(), "n")
+    places: dict[tuple[str, int, int], list[str]] = {}
+    for fqn, entry in md.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            info = md.pieces[fqn]
+            places.setdefault((info.relative_path, info.offset, info.length), []).append(fqn)
+    shared = max(places.values(), key=len)
+    assert len(shared) > 2 and len(places) > 2
+    for names in places.values():
+        assert len({id(md.pieces[n]) for n in names}) == 1
+    assert len({id(md.pieces[names[0]]) for names in places.values()}) == len(places)
+    assert_same_state(_load(path), make_module())
+
+    info = md.pieces[shared[0]]
+    data = bytearray((path / DCP / info.relative_path).read_bytes())
+    data[info.offset + info.length // 2] ^= 0x01
+    (path / DCP / info.relative_path).write_bytes(bytes(data))
+    rerecord(path, f"{DCP}/{info.relative_path}")
+    with pytest.raises(CorruptCheckpointError, match="item"):
+        _load(path, verify="size")

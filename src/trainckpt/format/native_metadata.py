@@ -1122,7 +1122,9 @@ def _fast_byte_values(
     """`_Decoder.byte_values`, column by column; False (nothing added) where in doubt. Each
     value's stored piece goes to `pieces` and to the part of `storage_data` appended to
     `parts`. Every byte value's entry is one shared `BytesStorageMetadata` (it has no
-    fields: all are equal)."""
+    fields: all are equal), and values stored at one place share one `_StorageInfo`: the
+    writer stores equal small values once (a 64,000-entry optimizer's 176,000
+    hyperparameters are a few dozen places), and the reader then checks each place once."""
     columns = _columns(records, 5)
     if columns is None:
         return False
@@ -1133,9 +1135,12 @@ def _fast_byte_values(
         return False
     if file_ids and max(file_ids) >= len(files):
         return False
-    infos = dict(
-        zip(fqns, map(_StorageInfo, [files[f] for f in file_ids], offsets, lengths), strict=True)
-    )
+    places = list(zip(file_ids, offsets, lengths, strict=True))
+    shared = dict.fromkeys(places)
+    for place in shared:
+        f, offset, length = place
+        shared[place] = _StorageInfo(files[f], offset, length)
+    infos = dict(zip(fqns, map(shared.__getitem__, places), strict=True))
     if pieces is not None:
         pieces.update(infos)
     entries.update(zip(fqns, repeat(_BYTES_ENTRY)))

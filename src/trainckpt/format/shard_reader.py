@@ -225,6 +225,11 @@ class ParallelReader(FileSystemReader):
         # its bytes again). Bounded: thousands of hyperparameters, mostly equal.
         checked_bytes: dict[tuple[int, int], bytes] = {}
         seen = checked_bytes.get
+        # Byte values stored at one place share their piece (`_StorageInfo`) in trainckpt's
+        # metadata, and the run is in file order: a value at the place of the one before it
+        # is handed on as those bytes, checked a moment ago.
+        last_info: _StorageInfo | None = None
+        last_value = b""
         with ExitStack() as stack:
             stack.enter_context(torch.no_grad())  # direct copies into parameters
             streams: dict[str, tuple[Any, str]] = {}
@@ -256,6 +261,9 @@ class ParallelReader(FileSystemReader):
                         fqn, target = req
                         expected = listed(offset)
                         if target is None:
+                            if info is last_info:  # the place of the value before: checked
+                                add_value((fqn, last_value))
+                                continue
                             same = seen(expected)  # type: ignore[arg-type]
                             if (
                                 same is not None
@@ -265,6 +273,7 @@ class ParallelReader(FileSystemReader):
                                 and base.startswith(same, at)
                             ):  # the bytes of an item that had this CRC32C, compared in place
                                 add_value((fqn, same))
+                                last_info, last_value = info, same
                                 continue
                             raw = data[at : at + length].tobytes()
                             if same is not None and same == raw:
@@ -279,6 +288,7 @@ class ParallelReader(FileSystemReader):
                                 if length <= _CHECKED_BYTES and len(checked_bytes) < _CHECKED_COUNT:
                                     checked_bytes[expected] = raw  # type: ignore[index]
                             add_value((fqn, raw))
+                            last_info, last_value = info, raw
                             continue
                         item = data[at : at + length]
                         crc = crc32c(item) if length >= small else value(item.tobytes())
