@@ -497,6 +497,13 @@ def main(argv: list[str] | None = None) -> int:
         help="--scale: the entries part's contenders (comma-separated subset of the default)",
     )
     p.add_argument(
+        "--scale-sampled-s",
+        type=float,
+        default=2.0,
+        help="--scale: repeat a small state (up to 5x --repeats) until its samples add up to "
+        "about this many seconds per contender",
+    )
+    p.add_argument(
         "--scale-ranks",
         default="16,256,1024,4096,8192",
         help="--scale: simulated rank counts (comma-separated)",
@@ -546,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
                 None
                 if args.scale_load == "0"
                 else tuple(int(x) for x in args.scale_load.split("x", 1)),  # type: ignore[arg-type]
+                args.scale_sampled_s,
             )
             report["notes"] += report["scale"]["entries"]["notes"]
             report["notes"] += report["scale"].get("training", {}).get("notes", [])

@@ -11,7 +11,8 @@ Three measurements, each a table and a `scale` section of `--json`:
    seconds, the cost per entry, and how that cost grows from the smallest state to the largest.
    Each contender first saves each state once, timed apart as its *first save* (what a
    restarted job pays once: trainckpt then plans, with its per-process caches emptied before);
-   the medians are of the saves after it.
+   the medians are of the saves after it: `--repeats` of them, or more for a small state
+   (up to 5x, until about 2 s of samples: `size_repeats`), whose 0.1 s timings are noisy.
 2. **Simulated many ranks.** Real thousand-rank jobs are not available here, so synthetic
    per-rank inputs for 256..8,192 ranks (every tensor sharded over every rank) are fed to the
    functions rank 0 and every rank run: DCP's global save planning, the manifest and the
@@ -34,6 +35,7 @@ Three measurements, each a table and a `scale` section of `--json`:
 from __future__ import annotations
 
 import gc
+import math
 import pickle
 import shutil
 import statistics
@@ -178,11 +180,29 @@ def torch_checkpointing(module: ModelAndOptim) -> ScaleContender | None:
 # -- many entries, one rank --------------------------------------------------------------------
 
 
+SAMPLED_S = 2.0
+"""A small state is saved and loaded more often than `--repeats` says (at most 5 times as
+often), until each contender's samples add up to about this many seconds
+(`--scale-sampled-s`): a 2,000-entry load takes 0.1 s, and the growth of the cost per entry
+is divided by that median."""
+
+
+def size_repeats(repeats: int, first_save_s: float, sampled_s: float = SAMPLED_S) -> int:
+    """Repeats of a state whose slowest first save took `first_save_s` (`SAMPLED_S`)."""
+    wanted = math.ceil(sampled_s / max(first_save_s, 1e-3))
+    return max(repeats, min(5 * repeats, wanted))
+
+
 def bench_entries(
-    sizes: list[int], repeats: int, root: Path, wanted: Collection[str] = SCALE_CONTENDERS
+    sizes: list[int],
+    repeats: int,
+    root: Path,
+    wanted: Collection[str] = SCALE_CONTENDERS,
+    sampled_s: float = SAMPLED_S,
 ) -> dict[str, Any]:
     """Every contender saves and loads a MoE-shaped state of each size in `sizes` (entries),
-    alternating, `repeats` times; medians, cost per entry and its growth."""
+    alternating, `repeats` times or more (`size_repeats`); medians, cost per entry and its
+    growth."""
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     results: dict[str, dict[str, Any]] = {}
     notes: list[str] = []
@@ -209,7 +229,8 @@ def bench_entries(
                 first[c.label] = t.seconds
                 shutil.rmtree(folder.parent)
                 print(f"  scale {entries} entries, first save {c.label}: {t.seconds:.2f}s")
-            for r in range(repeats):
+            count = size_repeats(repeats, max(first.values()), sampled_s)
+            for r in range(count):
                 for c in cs[r % len(cs) :] + cs[: r % len(cs)]:
                     folder = root / f"scale-{size}-{cs.index(c)}-{r}" / "step1"
                     gc.collect()
@@ -225,7 +246,7 @@ def bench_entries(
                         raise RuntimeError(f"{c.label} at {entries} entries: the load differs")
                     shutil.rmtree(folder.parent)
                     print(
-                        f"  scale {entries} entries, repeat {r + 1}/{repeats} {c.label}: "
+                        f"  scale {entries} entries, repeat {r + 1}/{count} {c.label}: "
                         f"save {save[c.label][-1]:.2f}s load {load[c.label][-1]:.2f}s",
                         flush=True,
                     )
@@ -236,6 +257,7 @@ def bench_entries(
                     "save_s": s,
                     "load_s": ld,
                     "first_save_s": first[c.label],
+                    "repeats": count,
                     "save_us_per_entry": s / entries * 1e6,
                     "load_us_per_entry": ld / entries * 1e6,
                     "save_samples": save[c.label],
@@ -285,7 +307,14 @@ def entries_table(report: dict[str, Any]) -> str:
     lines += [f"note: {n}" for n in report["notes"]]
     lines.append(
         "note: 'first save s' is each contender's first save of the state (trainckpt plans "
-        "then); save s and load s are medians of the saves and loads after it"
+        "then); save s and load s are medians of the saves and loads after it (repeats per "
+        "state: "
+        + ", ".join(
+            f"{r['entries']}: {r.get('repeats', report['repeats'])}"
+            for r in next(iter(report["results"].values()), {}).values()
+            if isinstance(r, dict)
+        )
+        + ")"
     )
     return "\n".join(lines)
 
@@ -746,11 +775,12 @@ def bench_scale(
     training_entries: int = 0,
     wanted: Collection[str] = SCALE_CONTENDERS,
     load_shape: tuple[int, int] | None = LOAD_SHAPE,
+    sampled_s: float = SAMPLED_S,
 ) -> dict[str, Any]:
     """The parts, printed and returned for `--json`; the training part only with
     `training_entries`; the entries part with the contenders `wanted`; the simulated load
     of `load_shape` (tensors, ranks) unless None."""
-    entries = bench_entries(sizes, repeats, root, wanted)
+    entries = bench_entries(sizes, repeats, root, wanted, sampled_s)
     print()
     print(entries_table(entries))
     report: dict[str, Any] = {"entries": entries}
@@ -796,12 +826,17 @@ def scale_targets(report: dict[str, Any]) -> list[str]:
                 f"first save {size} entries: trainckpt {ours[size]['first_save_s']:.2f}s, "
                 f"{ours[size]['first_save_s'] / min(firsts):.2f}x the best peer's first save"
             )
+    # Both trainckpt rows load alike and save through the same bookkeeping: the worse of
+    # their two growths is the verdict (their difference is the measurement's noise).
+    rows = {k: v for k, v in results.items() if k.startswith("trainckpt")}
     for op in ("save", "load"):
-        if f"{op}_growth" in ours:
-            g = ours[f"{op}_growth"]
+        growths = {k: v[f"{op}_growth"] for k, v in rows.items() if f"{op}_growth" in v}
+        if growths:
+            g = max(growths.values())
+            each = ", ".join(f"{k.removeprefix('trainckpt ')} {x:.2f}" for k, x in growths.items())
             out.append(
                 f"target trainckpt {op} cost per entry, largest / smallest state: {g:.2f} "
-                f"(want <= 1.25) -> {'met' if g <= 1.25 else 'NOT met'}"
+                f"({each}; want <= 1.25) -> {'met' if g <= 1.25 else 'NOT met'}"
             )
     training = report.get("training")
     if training is not None:

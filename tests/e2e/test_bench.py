@@ -72,8 +72,8 @@ def test_bench_scale_runs_and_prints_its_tables(tmp_path: Path) -> None:
     out = tmp_path / "scale.json"
     args = ["--scale", "--scale-entries", "400", "--scale-ranks", "2,4", "--scale-tensors", "2"]
     args += ["--scale-training-entries", "400", "--scale-load", "8x128"]
-    args += ["--repeats", "1", "--dir", str(tmp_path), "--json", str(out)]
-    run = _bench(args)
+    args += ["--repeats", "1", "--scale-sampled-s", "0.3", "--dir", str(tmp_path)]
+    run = _bench([*args, "--json", str(out)])
     scale = json.loads(out.read_text())["scale"]
     load = scale["rank_load"]
     assert load["chunks"] == 8 * 128 and load["native_bytes"] > 0
@@ -85,7 +85,10 @@ def test_bench_scale_runs_and_prints_its_tables(tmp_path: Path) -> None:
         assert by_size["400"]["entries"] == 400, label
         assert by_size["400"]["save_s"] > 0 and by_size["400"]["load_s"] > 0, label
         assert by_size["400"]["first_save_s"] > 0, label  # timed apart from the medians
-        assert len(by_size["400"]["save_samples"]) == 1, label  # the first save not among them
+        # the first save not among them; a small state is repeated more (`size_repeats`)
+        repeats = by_size["400"]["repeats"]
+        assert 1 <= repeats <= 5 and len(by_size["400"]["save_samples"]) == repeats, label
+        assert len(by_size["400"]["load_samples"]) == repeats, label
         assert label in run.stdout
     assert "first save s" in run.stdout
     ranks = scale["ranks"]["results"]
@@ -143,6 +146,18 @@ def _trained_during(r: dict[str, Any]) -> bool:
     within one training step (the copy floor of a tiny state can, with no step started)."""
     within_a_step = r["committed_s"]["max"] <= r["step_before_s"]["max"]
     return r["steps_during"]["min"] >= 1 or within_a_step
+
+
+def test_a_small_state_is_sampled_more_but_at_most_five_times_as_often() -> None:
+    """`--scale` repeats a state until its samples add up to about 2 s (a 0.1 s median is
+    what the growth of the cost per entry is divided by), never fewer than `--repeats`."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_scale import size_repeats
+
+    assert size_repeats(3, 0.05) == 15  # capped at 5x
+    assert size_repeats(3, 0.4) == 5
+    assert size_repeats(3, 1.5) == 3  # never fewer than asked
+    assert size_repeats(1, 0.0) == 5
 
 
 def test_the_torch_checkpointing_peer_waits_for_its_staging_before_the_optimizer_step(
