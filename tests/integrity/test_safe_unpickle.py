@@ -111,6 +111,31 @@ def test_a_memory_mapped_file_loads_and_is_refused_as_its_bytes_are(tmp_path: Pa
         load_torch_plain(torn, "torn")
 
 
+def test_a_value_is_taken_for_a_left_out_field_only_if_it_is_the_marker_itself() -> None:
+    """The check reads a field a record left out as a private marker (a bare `object`). No
+    allowed global builds a bare `object`, but if a record held one it must be refused as a
+    value of the wrong type, not read as the field's default: alone in its column or beside
+    records that did leave the field out."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    from trainckpt.format.safe_unpickle.dcp_allow_list import AllowList
+    from trainckpt.format.safe_unpickle.refusal import Refused
+
+    allowed = AllowList()
+    stand_in = allowed.stand_in[_StorageInfo]
+
+    def record(**fields: object) -> object:
+        r = stand_in.__new__(stand_in)
+        r.__dict__.update(relative_path="__0_0.distcp", offset=0, length=1, **fields)
+        return r
+
+    allowed._check(_StorageInfo, [record(), record()])  # left out of both: the default
+    for records in ([record(transform_descriptors=object())],
+                    [record(), record(transform_descriptors=object())]):  # fmt: skip
+        with pytest.raises(Refused, match="transform_descriptors of type"):
+            allowed._check(_StorageInfo, records)
+
+
 def test_a_field_an_older_writer_did_not_have_reads_as_its_default(metadata_bytes):
     """An older DCP pickled `_StorageInfo` without `transform_descriptors`, `StorageMeta`
     without `modules`: they read as DCP's defaults; an extra field is refused."""

@@ -285,16 +285,21 @@ class AllowList:
                 column = c.read(dicts)
             held += len(column)
             found = set(map(type, column))
-            if _ABSENT_TYPE in found:  # a field left out, read as its plain default (a pickle
-                # cannot build a bare `object`: no allowed global makes one)
-                if len(found) == 1:  # left out of every record (DCP's usual None)
-                    absent = len(column)
-                    column = [c.default] * absent
-                else:
-                    absent = sum(map(is_, column, repeat(_ABSENT)))
-                    column = [c.default if v is _ABSENT else v for v in column]
+            if _ABSENT_TYPE in found:  # a field left out: read as its plain default
+                # Counted by identity: `list.count` where every value is a bare `object`
+                # (no code of the pickle's to compare with), `is_` otherwise.
+                only_objects = len(found) == 1
+                absent = (
+                    column.count(_ABSENT)
+                    if only_objects
+                    else sum(map(is_, column, repeat(_ABSENT)))
+                )
                 held -= absent
-                found = (found - {_ABSENT_TYPE}) | {type(c.default)}
+                if only_objects and absent == len(column):  # left out of every record (DCP's
+                    column, found = [c.default] * absent, {type(c.default)}  # usual None)
+                else:
+                    column = [c.default if v is _ABSENT else v for v in column]
+                    found = set(map(type, column))
             if c.kinds is not None and found - c.kinds:
                 self._types(f"{cls.__qualname__}.{c.name}", column, c.kinds)
             if c.ok is not None and not c.ok(column):
