@@ -4,12 +4,13 @@ Each makes `load` raise `CorruptCheckpointError` naming the file (`format/shard_
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from support.damage import flip_byte, split_item_record
+from support.damage import flip_byte, item_record, rerecord, split_item_record, unshare
 
 from trainckpt import Checkpointer, CheckpointerConfig, CorruptCheckpointError, ModelAndOptim
 
@@ -94,6 +95,72 @@ def test_damaged_or_missing_item_record(ckpt, run):
     items, _ = split_item_record(shard)
     shard.write_bytes(items + b"\0" * (shard.stat().st_size - len(items)))  # same size
     _load_fails(ckpt, run / "step1", r"__0_0\.distcp' has no trainckpt item record")
+
+
+def _with_record(ckpt_dir: Path, i: int, record: bytes) -> None:
+    """Shard `i` of `ckpt_dir` with its items and `record` at its end, the manifest made to
+    agree (so only the record itself can refuse it)."""
+    shard = ckpt_dir / "model_and_optim" / f"__0_{i}.distcp"
+    items, _ = split_item_record(shard)
+    unshare(shard)
+    shard.write_bytes(items + record)
+    rerecord(ckpt_dir, f"model_and_optim/__0_{i}.distcp")
+
+
+def _json_record(record: dict) -> bytes:
+    """The item record in the JSON layout that shards written before the columnar one have."""
+    body = json.dumps(record).encode()
+    return body + len(body).to_bytes(8, "little") + b"TCKPTIR1"
+
+
+def test_a_shard_with_the_earlier_json_item_record_loads_and_is_still_checked(ckpt, run):
+    step1 = run / "step1"
+    items, record = split_item_record(_shard(run, 1, 0))
+    assert record["items"] and all(len(row) == 3 for row in record["items"])
+    _with_record(step1, 0, _json_record(record))
+    dst = _module(99)
+    assert ckpt.load(step1, dst) == {"step": 1}
+    assert _same(dst, _module(1))
+    offset, length, _ = record["items"][0]
+    flip_byte(_shard(run, 1, 0), offset + length - 1)  # the item's last byte: its data
+    rerecord(step1, "model_and_optim/__0_0.distcp")
+    _load_fails(ckpt, step1, r"step1/model_and_optim/__0_0\.distcp' is corrupt: bytes")
+
+
+def _damaged_records(record: dict) -> dict[str, bytes]:
+    """Item records a writer never makes, each refused as damaged."""
+    good = item_record(record)
+    body = good[:-16]
+    header_length = int.from_bytes(body[:4], "little")
+    header = json.loads(body[4 : 4 + header_length])
+
+    def framed(body: bytes) -> bytes:
+        return body + len(body).to_bytes(8, "little") + b"TCKPTIR2"
+
+    def with_header(**fields: object) -> bytes:
+        text = json.dumps(dict(header, **fields)).encode()
+        return framed(len(text).to_bytes(4, "little") + text + body[4 + header_length :])
+
+    return {
+        "header longer than the record": framed((1 << 31).to_bytes(4, "little") + body[4:]),
+        "header not JSON": framed(body[:4] + b"{" * header_length + body[4 + header_length :]),
+        "one item more than its bytes": with_header(items=header["items"] + 1),
+        "an item count that is text": with_header(items=str(header["items"])),
+        "a negative item count": with_header(items=-1),
+        "no file name": with_header(file=None),
+        "columns cut short": framed(body[:-4]),
+        "a record of three bytes": framed(b"\0\0\0"),
+    }
+
+
+_DAMAGES = list(_damaged_records({"file": "f", "save_id": "s", "items": []}))
+
+
+@pytest.mark.parametrize("damage", _DAMAGES)
+def test_a_damaged_item_record_is_refused_naming_the_shard(ckpt, run, damage):
+    _, record = split_item_record(_shard(run, 1, 0))
+    _with_record(run / "step1", 0, _damaged_records(record)[damage])
+    _load_fails(ckpt, run / "step1", r"__0_0\.distcp' has a damaged item record")
 
 
 @pytest.mark.parametrize("rel", ["train/rank0.pt", "model_and_optim/.metadata.trainckpt"])

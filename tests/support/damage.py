@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from pathlib import Path
 
 import google_crc32c
@@ -60,11 +61,39 @@ def drop_native_metadata(ckpt: Path) -> None:
 
 
 def split_item_record(shard: Path) -> tuple[bytes, dict]:
-    """A shard file's items (DCP's bytes) and its trainckpt item record (parsed)."""
+    """A shard file's items (DCP's bytes) and its trainckpt item record, parsed here by hand
+    from the layout `format/shard_checksums.py` documents: {"file", "save_id", "items":
+    [[offset, length, "crc32c in hex"], ...]}."""
     data = shard.read_bytes()
-    assert data[-8:] == b"TCKPTIR1", f"{shard} has no item record"
+    assert data[-8:] == b"TCKPTIR2", f"{shard} has no item record"
     length = int.from_bytes(data[-16:-8], "little")
-    return data[: -16 - length], json.loads(data[-16 - length : -16])
+    body = data[-16 - length : -16]
+    start = 4 + int.from_bytes(body[:4], "little")
+    header = json.loads(body[4:start])
+    n = header["items"]
+    offsets, lengths, crcs = (
+        struct.unpack_from(f"<{n}{code}", body, at)
+        for code, at in (("Q", start), ("Q", start + 8 * n), ("I", start + 16 * n))
+    )
+    assert len(body) == start + 20 * n, f"{shard}: {len(body)} bytes for {n} items"
+    items = [[o, k, f"{c:08x}"] for o, k, c in zip(offsets, lengths, crcs, strict=True)]
+    return data[: -16 - length], dict(header, items=items)
+
+
+def item_record(record: dict) -> bytes:
+    """The bytes of an item record (`split_item_record`'s form), built here by hand."""
+    items = record["items"]
+    header = json.dumps(dict(record, items=len(items))).encode()
+    body = b"".join(
+        [
+            len(header).to_bytes(4, "little"),
+            header,
+            struct.pack(f"<{len(items)}Q", *(o for o, _, _ in items)),
+            struct.pack(f"<{len(items)}Q", *(n for _, n, _ in items)),
+            struct.pack(f"<{len(items)}I", *(int(c, 16) for _, _, c in items)),
+        ]
+    )
+    return body + len(body).to_bytes(8, "little") + b"TCKPTIR2"
 
 
 def write_item_record(shard: Path, items: bytes, record: dict, spans: list[tuple[int, int]]):
@@ -73,8 +102,7 @@ def write_item_record(shard: Path, items: bytes, record: dict, spans: list[tuple
     record = dict(
         record, items=[[o, n, f"{google_crc32c.value(items[o : o + n]):08x}"] for o, n in spans]
     )
-    body = json.dumps(record).encode()
-    shard.write_bytes(items + body + len(body).to_bytes(8, "little") + b"TCKPTIR1")
+    shard.write_bytes(items + item_record(record))
 
 
 def read_manifest(ckpt: Path) -> dict:

@@ -241,7 +241,8 @@ def test_small_items_written_together_each_keep_their_place_and_crc32c(
     for offset, length in sorted(places):  # the distinct items tile the data, in order
         assert offset == end
         end = offset + length
-    assert data[end : end + 9] == b'{"file": '  # then the item record, nothing between
+    assert data[end + 4 : end + 13] == b'{"file": '  # then the item record, nothing between
+    assert len(data) == end + int.from_bytes(data[-16:-8], "little") + 16
 
 
 def test_sharing_equal_small_items_keeps_memory_to_about_a_batch(tmp_path: Path) -> None:

@@ -3,8 +3,17 @@ save wrote it, and the CRC32C of every item in it.
 
 A shard file is a run of `torch.save`d items at offsets that DCP's `.metadata` records; readers
 (plain DCP, OLMo-core, ours) read only those byte ranges, so a record appended after the last
-item changes nothing for them. Layout: JSON `{"file", "save_id", "items": [[offset, length,
-crc32c], ...]}`, then its length (8 bytes, little-endian), then `MAGIC`.
+item changes nothing for them. Layout (all integers little-endian):
+
+- the record's body: the length of a JSON header (4 bytes), the header `{"file", "save_id",
+  "items": n}`, then the n items' offsets (8 bytes each), their lengths (8 bytes each) and
+  their CRC32Cs (4 bytes each): packed and unpacked in C, since a shard of a state with many
+  small entries holds a hundred thousand items;
+- the body's length (8 bytes), then `MAGIC`.
+
+Shards written before this layout end with `MAGIC_JSON` instead, and their body is JSON
+`{"file", "save_id", "items": [[offset, length, "crc32c in hex"], ...]}`. Both are read (an
+incremental save takes such files over as they are).
 
 The save id is chosen once per save by DCP's coordinator and also written into `.metadata`
 (`storage_meta.save_id`). The reader checks, at no extra read of the data, that each shard file
@@ -22,8 +31,11 @@ from __future__ import annotations
 import io
 import json
 import struct
+import sys
 import uuid
+from array import array
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 import google_crc32c
@@ -31,12 +43,16 @@ import google_crc32c
 from trainckpt.errors import CorruptCheckpointError
 from trainckpt.storage.checksummed_file import crc32c_extend
 
-MAGIC = b"TCKPTIR1"
+MAGIC = b"TCKPTIR2"
+MAGIC_JSON = b"TCKPTIR1"
 SAVE_ID_PREFIX = "trainckpt-items-1:"
 """`.metadata`'s `storage_meta.save_id` starts with this when every shard has an item record."""
 
 _FOOTER = struct.Struct("<Q8s")
-_TAIL = 64 * 1024  # one read fetches the whole record of a shard with up to ~2,000 items
+_HEADER_LENGTH = struct.Struct("<I")
+_MAX_HEADER = 64 * 1024  # a file name and a save id
+_ROW_BYTES = 8 + 8 + 4  # an item's offset, length and CRC32C
+_TAIL = 64 * 1024  # one read fetches the whole record of a shard with up to ~3,000 items
 _MAX_RECORD = 256 * 1024 * 1024
 _CHUNK = 8 << 20
 _SMALL = 1 << 20  # below this, checksummed_file copies to bytes anyway
@@ -60,16 +76,29 @@ def save_ids(field: str) -> frozenset[str]:
 
 
 def encode(file: str, save_id: str, items: list[tuple[int, int, int]]) -> bytes:
-    """The record of shard `file` of save `save_id` holding `items` (offset, length, crc32c):
-    the bytes `json.dumps` gives for it, with each row formatted by one C call instead of a
-    list per row for the JSON encoder (a shard holds tens of thousands of small items)."""
-    rows = ", ".join(map(_ROW.__mod__, items))
-    body = f'{{"file": {json.dumps(file)}, "save_id": {json.dumps(save_id)}, "items": [{rows}]}}'
-    data = body.encode()
-    return data + _FOOTER.pack(len(data), MAGIC)
+    """The record of shard `file` of save `save_id` holding `items` (offset, length, crc32c)."""
+    header = json.dumps({"file": file, "save_id": save_id, "items": len(items)}).encode()
+    columns = [_column(code, map(itemgetter(n), items)) for n, code in enumerate("QQI")]
+    body = b"".join([_HEADER_LENGTH.pack(len(header)), header, *map(_on_disk, columns)])
+    return body + _FOOTER.pack(len(body), MAGIC)
 
 
-_ROW = '[%d, %d, "%08x"]'
+def _column(code: str, values: Any = ()) -> array[int]:
+    """A column of the record: unsigned integers of `_SIZES[code]` bytes."""
+    column = array(code, values)
+    if column.itemsize != _SIZES[code]:
+        raise RuntimeError(f"array type {code!r} is not {_SIZES[code]} bytes on this machine")
+    return column
+
+
+def _on_disk(column: array[int]) -> bytes:
+    if _BIG_ENDIAN:
+        column.byteswap()
+    return column.tobytes()
+
+
+_SIZES = {"Q": 8, "I": 4}
+_BIG_ENDIAN = sys.byteorder == "big"
 
 
 @dataclass(frozen=True)
@@ -112,7 +141,7 @@ def read(stream: Any, where: str) -> ItemRecord:
     size = stream.seek(0, io.SEEK_END)
     stream.seek(max(0, size - _TAIL))
     tail = _read_exactly(stream, min(size, _TAIL))
-    if len(tail) < _FOOTER.size or tail[-len(MAGIC) :] != MAGIC:
+    if len(tail) < _FOOTER.size or tail[-len(MAGIC) :] not in (MAGIC, MAGIC_JSON):
         raise CorruptCheckpointError(
             f"'{where}' has no trainckpt item record at its end, which every shard of this "
             f"checkpoint was written with (the file was replaced or truncated); {_REDO}"
@@ -125,6 +154,43 @@ def read(stream: Any, where: str) -> ItemRecord:
         body = _read_exactly(stream, length)
     else:
         body = tail[-_FOOTER.size - length : -_FOOTER.size]
+    if tail[-len(MAGIC) :] == MAGIC_JSON:
+        return _read_json(body, where)
+    return _read_columns(body, where)
+
+
+def _read_columns(body: bytes, where: str) -> ItemRecord:
+    """The record of the layout `MAGIC` names (module docstring)."""
+    if len(body) < _HEADER_LENGTH.size:
+        raise _damaged(where, f"a record of {len(body)} bytes")
+    (header_length,) = _HEADER_LENGTH.unpack_from(body)
+    start = _HEADER_LENGTH.size + header_length
+    if header_length > min(_MAX_HEADER, len(body) - _HEADER_LENGTH.size):
+        raise _damaged(where, f"a header length of {header_length} bytes")
+    try:
+        header = json.loads(body[_HEADER_LENGTH.size : start])
+        file, save_id, count = header["file"], header["save_id"], header["items"]
+    except (ValueError, TypeError, KeyError, RecursionError) as e:
+        raise _damaged(where, f"{type(e).__name__}: {e}") from e
+    if not isinstance(file, str) or not isinstance(save_id, str):
+        raise _damaged(where, "no file name or save id")
+    if type(count) is not int or len(body) - start != count * _ROW_BYTES:
+        raise _damaged(where, f"an item count of {count!r:.40} for {len(body) - start} bytes")
+    columns = []
+    for code in "QQI":
+        column, end = _column(code), start + count * _SIZES[code]
+        column.frombytes(body[start:end])
+        if _BIG_ENDIAN:
+            column.byteswap()
+        columns.append(column)
+        start = end
+    offsets, lengths, crcs = columns
+    items = dict(zip(offsets, zip(lengths, crcs, strict=True), strict=True))
+    return ItemRecord(file=file, save_id=save_id, items=items)
+
+
+def _read_json(body: bytes, where: str) -> ItemRecord:
+    """The record of the layout `MAGIC_JSON` names (module docstring)."""
     try:
         raw = json.loads(body)
         items = {int(o): (int(n), int(c, 16)) for o, n, c in raw["items"]}
