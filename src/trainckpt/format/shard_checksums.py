@@ -3,7 +3,8 @@ save wrote it, and the CRC32C of every item in it.
 
 A shard file is a run of `torch.save`d items at offsets that DCP's `.metadata` records; readers
 (plain DCP, OLMo-core, ours) read only those byte ranges, so a record appended after the last
-item changes nothing for them. Layout (all integers little-endian):
+item changes nothing for them. Layout (`docs/design.md`, "On-disk layout"; all integers
+little-endian):
 
 - the record's body: the length of a JSON header (4 bytes), the header `{"file", "save_id",
   "items": n}`, then the n items' offsets (8 bytes each), their lengths (8 bytes each) and
