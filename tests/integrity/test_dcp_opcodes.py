@@ -17,8 +17,8 @@ import pytest
 from support.hostile import MARK, POP, call, ext1, ext2, ext4, glob, inst, program, stack_glob, text
 
 from trainckpt import CorruptCheckpointError, UnsafeCheckpointError
+from trainckpt.errors import CheckpointError
 from trainckpt.format.safe_unpickle import load_dcp_metadata
-from trainckpt.format.safe_unpickle.dcp_allow_list import _IDLE
 
 DCP_MD = "torch.distributed.checkpoint.metadata"
 EMPTY_TUPLE, REDUCE, BUILD, NEWOBJ, OBJ, DUP = b")", b"R", b"b", b"\x81", b"o", b"2"
@@ -131,65 +131,109 @@ def test_a_record_is_checked_as_it_ends_up_not_as_it_was_first_built():
         load_dcp_metadata(_metadata_with_storage("../x"), "md")
 
 
+def _with_planner_data(value: bytes) -> bytes:
+    """A `Metadata` without tensors whose `planner_data` is what `value` (opcodes) pushes."""
+    return program(
+        stack_glob(DCP_MD, "Metadata")
+        + EMPTY_TUPLE
+        + NEWOBJ
+        + b"}("
+        + text("state_dict_metadata")
+        + b"}"
+        + text("planner_data")
+        + value
+        + b"u"
+        + BUILD,
+        protocol=4,
+    )
+
+
 def test_build_cannot_change_an_allowed_callable_and_records_stay_in_their_fields():
-    """BUILD on a checking constructor; a record (or record class) anywhere but where DCP's
-    `Metadata` declares one; a record called with arguments: all refused."""
+    """BUILD on a checking constructor or on a record class; a record (or record class)
+    anywhere but where DCP's `Metadata` declares one; a record called with arguments: all
+    refused, and DCP's record classes stay as DCP defined them."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
     chunk = stack_glob(DCP_MD, "ChunkStorageMetadata")
-    cases = {
-        "callable": (glob("collections", "OrderedDict") + b"}" + BUILD, "BUILD of"),
-        "record outside": (chunk + EMPTY_TUPLE + NEWOBJ, "ChunkStorageMetadata record outside"),
-        "class outside": (b"]" + chunk + b"a", "ChunkStorageMetadata record outside"),
-        "in planner data": (
-            stack_glob(DCP_MD, "Metadata")
-            + EMPTY_TUPLE
-            + NEWOBJ
-            + b"}("
-            + text("state_dict_metadata")
-            + b"}"
-            + text("planner_data")
-            + chunk
-            + EMPTY_TUPLE
-            + NEWOBJ
-            + b"ub",
-            "ChunkStorageMetadata record outside",
-        ),
-        "called": (chunk + MARK + text("p") + b"tR", "called"),
+    setting = chunk + b"N}" + text("offsets") + b"K\x01s\x86" + BUILD  # (None, {...}): setattr
+    unsafe = {
+        "BUILD of a callable": (glob("collections", "OrderedDict") + b"}" + BUILD, "BUILD of"),
+        "BUILD of a record class": (setting, "BUILD of ChunkStorageMetadata"),
+        "called": (chunk + MARK + text("p") + b"tR", "ChunkStorageMetadata called"),
     }
-    for body, match in cases.values():
+    for body, match in unsafe.values():
         with pytest.raises(UnsafeCheckpointError, match=match):
             load_dcp_metadata(program(body, protocol=4), "md")
+    assert "offsets" not in vars(ChunkStorageMetadata)
+    for value in (chunk + EMPTY_TUPLE + NEWOBJ, b"]" + chunk + b"a"):
+        with pytest.raises(UnsafeCheckpointError, match="planner_data holding a value of type"):
+            load_dcp_metadata(_with_planner_data(value), "md")
+    for body in (chunk + EMPTY_TUPLE + NEWOBJ, b"]" + chunk + b"a"):
+        with pytest.raises(UnsafeCheckpointError, match="outside DCP's Metadata"):
+            load_dcp_metadata(program(body, protocol=4), "md")
+    with pytest.raises(CorruptCheckpointError, match="a pickled list where DCP writes"):
+        load_dcp_metadata(program(b"]", protocol=4), "md")  # plain data: not crafted, damaged
 
 
-def test_an_allow_list_is_reused_only_after_a_load_that_ended_well():
-    """Loads take an allow-list a good load gave back (its stand-in classes free again); one
-    whose load was refused is never used again, and reuse never lets a crafted record through,
-    with loads on several threads at once."""
+def test_what_the_record_makers_rely_on_holds_for_the_installed_torch():
+    """A record maker makes a bare record with `object.__new__`, and BUILD fills it: DCP's own
+    code runs only in `TensorProperties.__setstate__` (which assigns its fields) and in the
+    frozen `MetadataIndex`'s refusal to set an attribute. A torch whose record classes gained
+    a `__new__`, a `__setstate__`, an attribute hook or a property would change what a pickle
+    reaches: this fails first."""
+    from trainckpt.format.safe_unpickle.dcp_allow_list import allow_list
+
+    for cls in allow_list().fields:
+        own = {name: v for c in cls.__mro__[:-1] for name, v in vars(c).items()}
+        assert cls.__new__ is object.__new__, cls
+        assert ("__setstate__" in own) == (cls.__name__ == "TensorProperties"), cls
+        assert "__getattr__" not in own and "__getattribute__" not in own, cls
+        assert "__setattr__" not in own or cls.__dataclass_params__.frozen, cls  # type: ignore[attr-defined]
+        setters = [n for n, v in own.items() if hasattr(type(v), "__set__")]
+        assert set(setters) <= {"__dict__", "__weakref__"}, (cls, setters)
+
+
+def test_a_crafted_file_cannot_change_how_later_loads_read():
+    """BUILD on a record class, its result dropped, in front of a well-formed `Metadata`:
+    refused, and a good file loaded next in the same process reads as before (when record
+    classes were reused between loads, this made every later load fail, so good checkpoints
+    looked damaged)."""
     good = _metadata_with_storage(None)
-    leaked = program(stack_glob(DCP_MD, "ChunkStorageMetadata") + EMPTY_TUPLE + NEWOBJ, protocol=4)
-    _IDLE.clear()
-    load_dcp_metadata(good, "md")
-    (idle,) = _IDLE
-    with pytest.raises(UnsafeCheckpointError, match="record outside"):
-        load_dcp_metadata(leaked, "md")  # took `idle`, and a record of its classes lives on
-    assert idle not in _IDLE
-    assert type(load_dcp_metadata(good, "md")).__module__ == DCP_MD
+    expected = pickle.loads(good)
+    for name in ("__new__", "__init__", "__hash__", "relative_path"):
+        for record in ("ChunkStorageMetadata", "MetadataIndex"):
+            set_it = b"N}" + text(name) + stack_glob("torch", "Size") + b"s\x86" + BUILD
+            body = stack_glob(DCP_MD, record) + set_it + POP
+            body += stack_glob(DCP_MD, "Metadata") + EMPTY_TUPLE + NEWOBJ
+            body += b"}(" + text("state_dict_metadata") + b"}u" + BUILD
+            with pytest.raises(UnsafeCheckpointError, match=f"BUILD of {record}"):
+                load_dcp_metadata(program(body, protocol=4), "md")
+            assert load_dcp_metadata(good, "md") == expected
 
-    def rounds(seed: int) -> list[str]:
-        seen = []
+
+def test_loads_on_many_threads_at_once_share_nothing():
+    """Good and crafted `.metadata` files loaded on several threads at once: each good one
+    reads as DCP's own records, each crafted one is refused, whatever ran beside it."""
+    good = _metadata_with_storage(None)
+    crafted = (
+        _with_planner_data(stack_glob(DCP_MD, "ChunkStorageMetadata") + EMPTY_TUPLE + NEWOBJ),
+        _metadata_with_storage("../x"),
+    )
+    expected = pickle.loads(good)
+
+    def rounds(seed: int) -> int:
+        read = 0
         for i in range(60):
             if (i + seed) % 3:
-                read = load_dcp_metadata(good, "md")
-                seen.append(type(next(iter(read.storage_data.values()))).__module__)
+                assert load_dcp_metadata(good, "md") == expected
+                read += 1
             else:
-                with pytest.raises(UnsafeCheckpointError, match="record outside"):
-                    load_dcp_metadata(leaked, "md")
-        return seen
+                with pytest.raises(UnsafeCheckpointError):
+                    load_dcp_metadata(crafted[i % 2], "md")
+        return read
 
     with ThreadPoolExecutor(6) as pool:
-        results = list(pool.map(rounds, range(6)))
-    assert {m for r in results for m in r} == {"torch.distributed.checkpoint.filesystem"}
-    assert sum(map(len, results)) == 6 * 40
-    assert len(_IDLE) <= 4
+        assert sum(pool.map(rounds, range(6))) == 6 * 40
 
 
 @pytest.mark.parametrize(
@@ -206,7 +250,8 @@ def test_amplification_bombs_stay_within_a_memory_bound(bomb):
     data = program(bomb)
     tracemalloc.start()
     try:
-        load_dcp_metadata(data, "md")
+        with pytest.raises(CheckpointError, match="md"):  # no Metadata; never a MemoryError
+            load_dcp_metadata(data, "md")
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -221,9 +266,10 @@ def test_a_huge_length_prefix_is_an_error_not_an_allocation():
 
 
 def test_deep_nesting_costs_no_stack():
+    """Neither the unpickler nor the check of `planner_data` recurses."""
     depth = 200_000
-    data = program(b"]" * depth + b"a" * (depth - 1))
-    read = load_dcp_metadata(data, "md")
+    data = _with_planner_data(b"]" * depth + b"a" * (depth - 1))
+    read = load_dcp_metadata(data, "md").planner_data
     for _ in range(depth - 1):
         read = read[0]
     assert read == []
@@ -231,7 +277,10 @@ def test_deep_nesting_costs_no_stack():
 
 def test_every_admitted_argument_form_reads_as_pickle_does():
     """Ints, floats, bytes and text of every length form, sets, and memo indices past 255
-    (LONG_BINPUT/LONG_BINGET), against pickle's own read."""
+    (LONG_BINPUT/LONG_BINGET), in a `Metadata`'s free `planner_data`, against pickle's own
+    read."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
     names = [f"name{i}" for i in range(300)]
     value = {
         "ints": [0, 255, 65535, -1, 2**31 - 1, 2**70, -(2**2000)],
@@ -243,5 +292,6 @@ def test_every_admitted_argument_form_reads_as_pickle_does():
         "memo": [names, names[-1]],
     }
     for protocol in (3, 4, 5):  # protocol 2 pickles bytes as a call of _codecs.encode
-        data = pickle.dumps(value, protocol=protocol)
-        assert load_dcp_metadata(data, "md") == pickle.loads(data) == value
+        data = pickle.dumps(Metadata({}, planner_data=value), protocol=protocol)
+        assert load_dcp_metadata(data, "md").planner_data == pickle.loads(data).planner_data
+        assert pickle.loads(data).planner_data == value

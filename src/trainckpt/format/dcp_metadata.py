@@ -12,7 +12,6 @@ from collections.abc import Callable
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from trainckpt.errors import CorruptCheckpointError
 from trainckpt.format import native_metadata
 from trainckpt.format.layout import DCP_METADATA_FILE, NATIVE_METADATA_FILE
 from trainckpt.format.records import (
@@ -52,10 +51,7 @@ def read_dcp_metadata(
     data = _read_bounded(storage, folder, where)
     if check is not None:
         check(DCP_METADATA_FILE, data, where)
-    md = load_dcp_metadata(data, where)
-    if not isinstance(md, Metadata):
-        raise CorruptCheckpointError(f"{where} does not hold DCP metadata")
-    return md
+    return load_dcp_metadata(data, where)
 
 
 def _read_bounded(storage: Storage, folder: str, where: str) -> bytes:

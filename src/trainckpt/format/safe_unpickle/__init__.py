@@ -8,8 +8,9 @@ executed. One module per kind of pickle it loads (`docs/trust.md`):
 - `no_globals`: pickled bytes a trainer keeps inside its state, `check_plain_pickles`: vetted
   by an unpickler that admits no global at all, before the trainer's own `pickle.loads`.
 - `dcp_metadata`: DCP's `.metadata`, `load_dcp_metadata`: CPython's C unpickler, whose
-  globals are an exact table of fully qualified names (`dcp_allow_list`): DCP's records as
-  stand-ins that check every field, and immutable or checking constructors.
+  globals are an exact table of fully qualified names (`dcp_allow_list`): makers of DCP's
+  records, whose every field is checked after the load, and immutable or checking
+  constructors.
 
 Every refusal is an `UnsafeCheckpointError`; a damaged file (a torn zip, a truncated pickle) is a
 `CorruptCheckpointError`. Both name the file.

@@ -9,16 +9,15 @@ data (numbers, text, bytes, tuples, lists, dicts, sets) came from `find_class`, 
 - Every other callable is a `Checked` stand-in: it checks its arguments before it builds a
   device, an `OrderedDict`, a set, a pure path, a layout or a memory format, and refuses BUILD
   (so the pickle can change nothing of it, nor any function of torch's).
-- DCP's record dataclasses are subclasses of one load at a time (`_stand_in`, reused only once
-  nothing refers to them: `AllowList.take`) that run no code of their own
-  while the pickle runs, so the C unpickler builds them at its own speed (only
-  `TensorProperties` keeps DCP's `__setstate__`, which assigns its five fields), and that refuse
-  to be called with arguments. Then `AllowList.finish` checks every record where DCP's
-  `Metadata` declares one, field by field and column by column (exact types with C-speed set
-  operations, storage paths inside the folder), so a record is checked as it finally stands,
-  however often the pickle rebuilt it. It makes each DCP's own class and refuses the load if a
-  record (or a record class) is left anywhere else, seen from the stand-in classes' reference
-  counts without a search.
+- Each of DCP's record dataclasses is named by a `RecordMaker`: NEWOBJ on it makes a bare
+  record of DCP's own class (`object.__new__`, no code of DCP's or ours), BUILD fills its
+  fields (only `TensorProperties` keeps DCP's `__setstate__`, which assigns its five fields),
+  and calling it or setting anything on it is refused, so DCP's classes stay as DCP defined
+  them. After the pickle ran, `AllowList.check` takes only a `Metadata` and checks every record
+  where DCP's `Metadata` declares one, field by field and column by column (exact types with
+  C-speed set operations, storage paths inside the folder), so a record is checked as it
+  finally stands, however often the pickle rebuilt it. The one field of free data,
+  `planner_data`, must hold plain data only, so no record is left unchecked.
 """
 
 from __future__ import annotations
@@ -26,11 +25,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import pathlib
-import sys
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Set
-from itertools import chain, repeat
+from itertools import chain, compress, repeat
 from operator import attrgetter, is_, itemgetter, methodcaller
+from types import MethodType
 from typing import Any, NamedTuple
 
 import torch
@@ -102,10 +101,9 @@ def _natural(col: list[int]) -> bool:
 
 
 class AllowList:
-    """The globals of one load: `find` is the unpickler's `find_class`; `finish` checks the
-    records the pickle built. One load at a time: `take` one, which `finish` gives back for
-    the next load once nothing refers to its stand-in classes (making them is a good part of
-    a small `.metadata`'s load)."""
+    """The globals a `.metadata` may name (`find`, the unpickler's `find_class`) and the check
+    of what its pickle built (`check`). Holds nothing of a load: one serves every load, on
+    any thread (`allow_list`)."""
 
     def __init__(self) -> None:
         from torch.distributed.checkpoint import filesystem as fs
@@ -156,9 +154,9 @@ class AllowList:
                 "version": Field((none, str)),
             },
         }
-        self.stand_in = {cls: _stand_in(cls) for cls in self.fields}
+        self.maker = {cls: RecordMaker.of(cls) for cls in self.fields}
         self.columns = {cls: _columns(cls, fields) for cls, fields in self.fields.items()}
-        st = self.stand_in
+        st = self.maker
         metadata, tensor = st[md.Metadata], st[md.TensorStorageMetadata]
         chunk, props, storage_meta = (
             st[md.ChunkStorageMetadata],
@@ -198,21 +196,8 @@ class AllowList:
             self.table[("pathlib", kind.__name__)] = Checked(kind.__name__, kind, _parts_ok)
         self.table.update((("torch", name), dtype) for name, dtype in dtypes.items())
 
-        self.checked: dict[type, list[Any]] = {cls: [] for cls in self.fields}
-        self.references: dict[type, int] | None = None  # of the stand-ins, at the first `find`
-
-    @classmethod
-    def take(cls) -> AllowList:
-        """An allow-list no load is using: one a load that ended well gave back, or a new one."""
-        try:
-            return _IDLE.pop()
-        except IndexError:
-            return cls()
-
     def find(self, module: str, name: str) -> Any:
         """The global (module, name) if the table has exactly it: no dotted-name walk, no import."""
-        if self.references is None:
-            self.references = {cls: sys.getrefcount(s) for cls, s in self.stand_in.items()}
         try:
             return self.table[(module, name)]
         except (KeyError, TypeError):
@@ -221,21 +206,20 @@ class AllowList:
                 "torch sizes/dtypes/layouts/devices or plain containers)"
             ) from None
 
-    def finish(self, result: Any) -> None:
-        """After the pickle ran (and its unpickler is gone): check every record of the
-        `Metadata` `result` (if it is one), make each DCP's own class, and refuse a record or
-        record class anywhere else."""
-        if type(result) is self.stand_in[self.md.Metadata]:
-            self._check_metadata(result)
-        for cls, records in self.checked.items():
-            deque(map(_set_class, records, repeat(cls)), maxlen=0)
-        for cls, stand_in in self.stand_in.items():
-            # What refers to a stand-in now: the table, and any record or class left unchecked.
-            if self.references and sys.getrefcount(stand_in) != self.references[cls]:
-                raise Refused(f"a {cls.__qualname__} record outside DCP's Metadata fields")
-        self.checked = {cls: [] for cls in self.fields}
-        if len(_IDLE) < 4:
-            _IDLE.append(self)  # no record or class of this load refers to the stand-ins
+    def check(self, result: Any, budget: int) -> None:
+        """After the pickle ran: `result` must be DCP's `Metadata` (else `NotMetadata`, or a
+        refusal if it holds more than plain data); check each of its records where DCP
+        declares one, and that its `planner_data` holds plain data only (at most `budget`
+        values: the pickle's size, which a tree of plain values never exceeds)."""
+        if type(result) is not self.md.Metadata:
+            problem = plain_data_problem(result, budget)
+            if problem is not None:
+                raise Refused(f"{problem} outside DCP's Metadata")
+            raise NotMetadata(type(result).__qualname__)  # plain data: damaged, not crafted
+        self._check_metadata(result)
+        problem = plain_data_problem(result.planner_data, budget)
+        if problem is not None:
+            raise Refused(f"Metadata.planner_data holding {problem} (only plain data is read)")
 
     def _check_metadata(self, metadata: Any) -> None:
         """Check the records of `metadata` where DCP's `Metadata` declares them."""
@@ -244,11 +228,11 @@ class AllowList:
         entries = metadata.state_dict_metadata
         self._types("Metadata.state_dict_metadata keys", entries, {str})
         values = list(entries.values())
-        tensor = self.stand_in[md.TensorStorageMetadata]
-        blob = self.stand_in[md.BytesStorageMetadata]
+        tensor, blob = md.TensorStorageMetadata, md.BytesStorageMetadata
         self._types("Metadata.state_dict_metadata values", values, {tensor, blob})
-        self._check(md.BytesStorageMetadata, [v for v in values if type(v) is blob])
-        tensors = [v for v in values if type(v) is tensor]
+        tensors = list(compress(values, map(is_, map(type, values), repeat(tensor))))
+        if len(tensors) < len(values):
+            self._check(md.BytesStorageMetadata, [v for v in values if type(v) is blob])
         self._check(md.TensorStorageMetadata, tensors)
         self._check(md.TensorProperties, list(map(attrgetter("properties"), tensors)))
         chunks = list(chain.from_iterable(map(attrgetter("chunks"), tensors)))
@@ -268,9 +252,36 @@ class AllowList:
         """Check the records `records` of DCP's class `cls`, column by column. A field an
         older writer did not have (or DCP's `_StorageInfo` left out, being None) reads as its
         default, as in DCP."""
-        if set(map(type, records)) - {self.stand_in[cls]}:
-            self._types(f"a {cls.__qualname__} record", records, {self.stand_in[cls]})
+        if set(map(type, records)) - {cls}:
+            self._types(f"a {cls.__qualname__} record", records, {cls})
         dicts: list[dict[Any, Any]] = list(map(vars, records))  # type: ignore[arg-type]
+        if not self._check_alike(cls, dicts):
+            self._check_each(cls, dicts)
+
+    def _check_alike(self, cls: type, dicts: list[dict[Any, Any]]) -> bool:
+        """True if the records (their `dicts`) are good and alike, as DCP writes them: each
+        holds the same fields of `cls`, and leaves out only fields whose plain default is
+        good. False where that is not so (`_check_each` then decides, and names what is
+        wrong). The fewest steps per column, for the many small `.metadata` files too."""
+        held = 0  # fields every record holds
+        for c in self.columns[cls]:
+            try:
+                column = list(map(c.get, dicts))
+            except KeyError:  # left out of some record: of every record, by the count below
+                if not c.default_fits:
+                    return False
+                continue
+            held += 1
+            if c.kinds is not None and not c.kinds.issuperset(map(type, column)):
+                return False
+            if c.ok is not None and not c.ok(column):
+                raise Refused(f"{cls.__qualname__}.{c.name}: a value{c.why}")
+        # Each record holds at least the `held` fields: exactly those iff the keys add up.
+        return sum(map(len, dicts)) == held * len(dicts)
+
+    def _check_each(self, cls: type, dicts: list[dict[Any, Any]]) -> None:
+        """`_check` where records differ: fields left out of some records only, a default
+        factory's value to store, or a refusal to name."""
         keys, held = sum(map(len, dicts)), 0  # all the records' keys; those of `cls`'s fields
         for c in self.columns[cls]:
             try:
@@ -307,13 +318,76 @@ class AllowList:
         if keys != held:  # the records' other keys are fields `cls` lacks
             unknown = set(chain.from_iterable(dicts)) - self.fields[cls].keys()
             raise Refused(f"{cls.__qualname__} with field(s) {short(sorted(map(str, unknown)))}")
-        self.checked[cls].extend(records)
 
 
-_IDLE: list[AllowList] = []  # given back by loads that ended well (`AllowList.take`)
+@functools.cache
+def allow_list() -> AllowList:
+    """The allow-list every load uses (made at the first load: it imports DCP)."""
+    return AllowList()
+
+
+class NotMetadata(Exception):  # noqa: N818 (a result, not an error of ours)
+    """The pickle built something other than DCP's `Metadata` (named by the argument)."""
+
+
+class RecordMaker(type):
+    """What the table gives for one of DCP's record classes. NEWOBJ on it (and INST or OBJ
+    without arguments) makes a bare record of DCP's own class, by `object.__new__` alone;
+    calling it with arguments, or setting or deleting anything on it (as BUILD on a class
+    would), is refused."""
+
+    @classmethod
+    def of(cls, record: type) -> RecordMaker:
+        new = MethodType(object.__new__, record)  # new(maker, *args): object.__new__(record)
+        return cls(record.__name__, (), {"__slots__": (), "__new__": new})
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        raise Refused(f"{cls.__name__} called (DCP's records are built by NEWOBJ and BUILD)")
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        raise Refused(f"BUILD of {cls.__name__} (setting {short(name)} on a record class)")
+
+    def __delattr__(cls, name: str) -> None:
+        raise Refused(f"deleting {short(name)} of {cls.__name__}")
+
+
+_PLAIN = frozenset(
+    {str, int, float, bool, type(None), bytes, torch.Size, torch.dtype, torch.device}
+    | {torch.layout, torch.memory_format, pathlib.PosixPath, pathlib.PurePosixPath}
+    | {pathlib.PureWindowsPath}
+)
+_NESTED = frozenset({dict, OrderedDict, list, tuple, set, frozenset})
+
+
+def plain_data_problem(value: Any, budget: int) -> str | None:
+    """None if `value` is plain data (values of `_PLAIN`, nested in `_NESTED` containers), at
+    most `budget` values in all; else what is wrong. Breadth first, at C speed per level."""
+    level, seen = [value], 1
+    while level:
+        kinds = set(map(type, level))
+        odd = kinds - _PLAIN - _NESTED
+        if odd:
+            return f"a value of type {short(sorted(t.__qualname__ for t in odd))}"
+        nested = [
+            list(compress(level, map(is_, map(type, level), repeat(k)))) for k in kinds & _NESTED
+        ]
+        seen += sum(
+            sum(map(len, of_kind)) * (1 + isinstance(of_kind[0], dict)) for of_kind in nested
+        )
+        if seen > budget:  # counted before the next level is made
+            return "more values than its bytes hold (containers shared or nested in themselves)"
+        level = []
+        for of_kind in nested:
+            if isinstance(of_kind[0], dict):  # a dict or an OrderedDict: keys and values
+                level += chain.from_iterable(map(dict.keys, of_kind))
+                level += chain.from_iterable(map(dict.values, of_kind))
+            else:
+                level += chain.from_iterable(of_kind)
+    return None
+
+
 _ABSENT = object()
 _ABSENT_TYPE = type(_ABSENT)
-_set_class = object.__dict__["__class__"].__set__  # `obj.__class__ = cls`, at C speed
 
 
 @functools.cache
@@ -328,12 +402,14 @@ class _Column(NamedTuple):
     """How `_check` reads and checks one field of a record class (`Field`, made ready)."""
 
     name: str
+    get: Callable[[dict[Any, Any]], Any]  # a record's value (KeyError where it lacks the field)
     read: Callable[[list[dict[Any, Any]]], list[Any]]  # the records' values (`_ABSENT`: default)
     default: Any  # a plain default (read where a record lacks the field), else `_ABSENT`
     factory: Callable[[], Any] | None  # a default factory: its value is stored in the record
     kinds: frozenset[Any] | None
     ok: Callable[[list[Any]], bool] | None
     why: str
+    default_fits: bool  # a plain default that passes `kinds` and `ok`: a record may leave it out
 
 
 def _columns(cls: type, fields: dict[str, Field]) -> tuple[_Column, ...]:
@@ -344,15 +420,19 @@ def _columns(cls: type, fields: dict[str, Field]) -> tuple[_Column, ...]:
         default = dataclasses.MISSING if known is None else known.default
         factory = dataclasses.MISSING if known is None else known.default_factory
         plain = default is not dataclasses.MISSING
+        kinds = None if field.kinds is None else frozenset(field.kinds)
+        fits = plain and (kinds is None or type(default) in kinds)
         out.append(
             _Column(
                 name,
+                itemgetter(name),
                 _read(name, plain),
                 default if plain else _ABSENT,
                 None if factory is dataclasses.MISSING else factory,
-                None if field.kinds is None else frozenset(field.kinds),
+                kinds,
                 field.ok,
                 field.why,
+                fits and (field.ok is None or field.ok([default])),
             )
         )
     return tuple(out)
@@ -366,16 +446,6 @@ def _read(name: str, plain: bool) -> Callable[[list[dict[Any, Any]]], list[Any]]
         return lambda dicts: list(map(dict.get, dicts, repeat(name), repeat(_ABSENT)))
     get = itemgetter(name)
     return lambda dicts: list(map(get, dicts))
-
-
-def _refuse_call(self: Any, *args: Any, **kwargs: Any) -> None:
-    raise Refused(f"{type(self).__qualname__} called (DCP's records are only built by BUILD)")
-
-
-def _stand_in(cls: type) -> type:
-    """A subclass of DCP's record `cls` for one load: no code of its own but a refusal to be
-    called with arguments (pickle builds records by NEWOBJ and BUILD, not by calling them)."""
-    return type(cls.__name__, (cls,), {"__slots__": (), "__init__": _refuse_call})
 
 
 def _device_ok(*args: Any) -> bool:

@@ -25,7 +25,7 @@ import pickletools
 from typing import Any
 
 from trainckpt.errors import CorruptCheckpointError, UnsafeCheckpointError
-from trainckpt.format.safe_unpickle.dcp_allow_list import AllowList
+from trainckpt.format.safe_unpickle.dcp_allow_list import AllowList, NotMetadata, allow_list
 from trainckpt.format.safe_unpickle.refusal import Refused, short
 
 
@@ -60,18 +60,23 @@ def _refuse_extension_codes(data: bytes) -> None:
 
 
 def load_dcp_metadata(data: bytes, where: str) -> Any:
-    """The object DCP pickled into its `.metadata` file `where`: DCP's records (each field
+    """The `Metadata` DCP pickled into its `.metadata` file `where`: DCP's records (each field
     checked), torch sizes/dtypes/layouts/devices and plain containers. Raises
-    `UnsafeCheckpointError` for anything else, `CorruptCheckpointError` for a broken pickle.
-    Called on: whichever ranks read the metadata."""
+    `UnsafeCheckpointError` for anything else, `CorruptCheckpointError` for a broken pickle or
+    one of something other than a `Metadata`. Called on: whichever ranks read the metadata."""
     collecting = gc.isenabled()
     gc.disable()  # a big metadata is millions of young objects: collections would dominate
     try:
         _refuse_extension_codes(data)
-        allowed = AllowList.take()
-        result = _Unpickler(data, allowed).load()  # the unpickler (and its memo) is gone after
-        allowed.finish(result)
+        allowed = allow_list()
+        result = _Unpickler(data, allowed).load()
+        allowed.check(result, len(data))
         return result
+    except NotMetadata as e:
+        raise CorruptCheckpointError(
+            f"{where} holds a pickled {e} where DCP writes its Metadata; the checkpoint is "
+            "damaged or not a DCP checkpoint: restore it from a copy or use an older checkpoint"
+        ) from None
     except Refused as e:
         raise UnsafeCheckpointError(
             f"{where}: DCP metadata asks for {e}, which trainckpt does not load (it could run "
