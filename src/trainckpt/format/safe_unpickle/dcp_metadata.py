@@ -22,11 +22,14 @@ import gc
 import io
 import pickle
 import pickletools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainckpt.errors import CorruptCheckpointError, UnsafeCheckpointError
 from trainckpt.format.safe_unpickle.dcp_allow_list import AllowList, NotMetadata, allow_list
 from trainckpt.format.safe_unpickle.refusal import Refused, short
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 
 class _NoBuffers:
@@ -59,7 +62,7 @@ def _refuse_extension_codes(data: bytes) -> None:
             raise Refused(f"opcode {op.name} at byte {pos} (an extension code of copyreg)")
 
 
-def load_dcp_metadata(data: bytes, where: str) -> Any:
+def load_dcp_metadata(data: bytes, where: str) -> Metadata:
     """The `Metadata` DCP pickled into its `.metadata` file `where`: DCP's records (each field
     checked), torch sizes/dtypes/layouts/devices and plain containers. Raises
     `UnsafeCheckpointError` for anything else, `CorruptCheckpointError` for a broken pickle or
