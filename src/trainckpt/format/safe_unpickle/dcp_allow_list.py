@@ -154,9 +154,8 @@ class AllowList:
                 "version": Field((none, str)),
             },
         }
-        self.maker = {cls: RecordMaker.of(cls) for cls in self.fields}
         self.columns = {cls: _columns(cls, fields) for cls, fields in self.fields.items()}
-        st = self.maker
+        st = {cls: RecordMaker.of(cls) for cls in self.fields}  # what the table names
         metadata, tensor = st[md.Metadata], st[md.TensorStorageMetadata]
         chunk, props, storage_meta = (
             st[md.ChunkStorageMetadata],
@@ -212,12 +211,12 @@ class AllowList:
         declares one, and that its `planner_data` holds plain data only (at most `budget`
         values: the pickle's size, which a tree of plain values never exceeds)."""
         if type(result) is not self.md.Metadata:
-            problem = plain_data_problem(result, budget)
+            problem = _plain_data_problem(result, budget)
             if problem is not None:
                 raise Refused(f"{problem} outside DCP's Metadata")
             raise NotMetadata(type(result).__qualname__)  # plain data: damaged, not crafted
         self._check_metadata(result)
-        problem = plain_data_problem(result.planner_data, budget)
+        problem = _plain_data_problem(result.planner_data, budget)
         if problem is not None:
             raise Refused(f"Metadata.planner_data holding {problem} (only plain data is read)")
 
@@ -294,23 +293,11 @@ class AllowList:
                     d[c.name] = c.factory()
                 held -= len(missing)
                 column = c.read(dicts)
-            held += len(column)
+            absent = sum(map(is_, column, repeat(_ABSENT)))  # by identity: runs no code
+            held += len(column) - absent
+            if absent:  # a field left out: read as its plain default
+                column = [c.default if v is _ABSENT else v for v in column]
             found = set(map(type, column))
-            if _ABSENT_TYPE in found:  # a field left out: read as its plain default
-                # Counted by identity: `list.count` where every value is a bare `object`
-                # (no code of the pickle's to compare with), `is_` otherwise.
-                only_objects = len(found) == 1
-                absent = (
-                    column.count(_ABSENT)
-                    if only_objects
-                    else sum(map(is_, column, repeat(_ABSENT)))
-                )
-                held -= absent
-                if only_objects and absent == len(column):  # left out of every record (DCP's
-                    column, found = [c.default] * absent, {type(c.default)}  # usual None)
-                else:
-                    column = [c.default if v is _ABSENT else v for v in column]
-                    found = set(map(type, column))
             if c.kinds is not None and found - c.kinds:
                 self._types(f"{cls.__qualname__}.{c.name}", column, c.kinds)
             if c.ok is not None and not c.ok(column):
@@ -359,7 +346,7 @@ _PLAIN = frozenset(
 _NESTED = frozenset({dict, OrderedDict, list, tuple, set, frozenset})
 
 
-def plain_data_problem(value: Any, budget: int) -> str | None:
+def _plain_data_problem(value: Any, budget: int) -> str | None:
     """None if `value` is plain data (values of `_PLAIN`, nested in `_NESTED` containers), at
     most `budget` values in all; else what is wrong. Breadth first, at C speed per level."""
     level, seen = [value], 1
@@ -387,7 +374,6 @@ def plain_data_problem(value: Any, budget: int) -> str | None:
 
 
 _ABSENT = object()
-_ABSENT_TYPE = type(_ABSENT)
 
 
 @functools.cache
