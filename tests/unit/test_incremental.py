@@ -24,6 +24,7 @@ from trainckpt import (
     ModelAndOptim,
 )
 from trainckpt.cli.main import main
+from trainckpt.core import incremental
 from trainckpt.format.shard_checksums import SAVE_ID_PREFIX
 
 
@@ -259,6 +260,80 @@ def test_items_that_stop_changing_are_linked_again(run):
     dst = lora_module(seed=5)
     ckpt.load(folder / "step6", dst)
     assert_same_state(module, dst)
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["save", "save_async"])
+def test_a_state_that_keeps_changing_is_hashed_at_two_saves_in_eight(
+    tmp_path, monkeypatch, background
+):
+    """A tensor written as changed save after save is hashed at the first four saves of its
+    streak, then at two saves in a row out of `HASH_PERIOD` (8): a state that trains in full
+    pays a quarter of the hashing. Every checkpoint, hashed or not, holds the state as saved.
+    The large weight (2 MiB) is hashed on the prehash threads, the rest on the saving thread;
+    an async save hashes its staged copy (the shapes tell the tensors apart)."""
+    hashed: set[tuple[int, ...]] = set()
+    digest = incremental.tensor_digest
+
+    def counting(t: torch.Tensor) -> bytes:
+        hashed.add(tuple(t.shape))
+        return digest(t)
+
+    monkeypatch.setattr(incremental, "tensor_digest", counting)
+
+    def trained_in_full(seed: int) -> ModelAndOptim:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(BASE, 512), torch.nn.Linear(512, 4))
+        return ModelAndOptim(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+    module = trained_in_full(0)
+    weights = [tuple(module.model[0].weight.shape), tuple(module.model[1].weight.shape)]
+    ckpt = CheckpointerConfig(work_dir=tmp_path / "work").build()
+    saved: dict[int, ModelAndOptim] = {}
+    seen: list[list[bool]] = []
+    try:
+        for step in range(1, 21):
+            train(module, step)
+            hashed.clear()
+            if background:
+                ckpt.save_async(tmp_path / f"step{step}", module, {"step": step}).result()
+            else:
+                ckpt.save(tmp_path / f"step{step}", module, {"step": step})
+            seen.append([w in hashed for w in weights])
+            if step in (5, 7, 20):
+                saved[step] = copy.deepcopy(module)
+        for step, state in saved.items():
+            dst = trained_in_full(5)
+            ckpt.load(tmp_path / f"step{step}", dst)
+            assert_same_state(state, dst)
+    finally:
+        ckpt.close()
+    want = [1, 2, 3, 4, 5, 9, 10, 17, 18]  # the first save, then streaks 1-4, 8-9, 16-17
+    assert [s for s, both in enumerate(seen, 1) if all(both)] == want, seen
+    assert [s for s, both in enumerate(seen, 1) if any(both)] == want, seen
+
+
+def test_items_that_stop_changing_after_a_long_streak_are_linked_within_the_period(run):
+    """Trained for 12 saves, then left alone: the adapter is hashed again at the next two
+    saves in a row that `hash_due` names, and from then on every file is taken over, no more
+    than `HASH_PERIOD` saves after the last step. Each checkpoint loads as saved."""
+    ckpt, module, folder = run
+    for step in range(1, 13):
+        train(module, step)
+        ckpt.save(folder / f"step{step}", module, {"step": step})
+    trained = copy_of(module)
+    whole = None
+    for step in range(13, 13 + incremental.HASH_PERIOD + 2):
+        ckpt.save(folder / f"step{step}", module, {"step": step})
+        if linked(folder / f"step{step - 1}", folder / f"step{step}") == set(
+            shards(folder / f"step{step}")
+        ):
+            whole = step
+            break
+    assert whole is not None and whole - 12 <= incremental.HASH_PERIOD, whole
+    for step in (13, whole):
+        dst = lora_module(seed=5)
+        ckpt.load(folder / f"step{step}", dst)
+        assert_same_state(trained, dst)
 
 
 def test_a_deleted_previous_checkpoint_means_a_full_save(run):

@@ -6,11 +6,12 @@ committed save: for each item its key (DCP index and tensor kind), the xxh3-128 
 bytes (`content_hash.py`), offset and length. At the next save (`Session.lay_out`), on the
 same rank:
 
-1. every tensor item is hashed (every save, in full: the hash decides; see "What is hashed" in
-   docs/incremental.md for why no version counter is trusted to skip it); a tensor the last
-   save found changed is written without waiting for its hash, and hashed while the files are
-   written, for the next save to compare (a hint only decides when an item is hashed, never
-   that it is unchanged);
+1. every tensor item is hashed (in full: the hash decides; see "What is hashed" in
+   docs/incremental.md for why no version counter is trusted to skip it), but one the last
+   saves found changed is written without waiting for its hash, hashed while the files are
+   written for the next save to compare, and, once it kept changing for more than four saves,
+   hashed only at two saves in a row out of `HASH_PERIOD` (`hash_due`): a hint only decides
+   when an item is hashed, never that it is unchanged;
 2. a previous file whose every item is present again with the same key and hash is taken over
    as it is: hard-linked (or copied) into `-tmp`, or copied server-side into the claimed prefix
    (`Storage.copy_file`), then checked by its size and item record (it names the file and the
@@ -165,11 +166,14 @@ class History:
         self._lock = threading.Lock()
         self.digests = StorageDigests()
         """Shared with the `Stager` of async saves (`content_hash.StorageDigests`)."""
-        self.changing: frozenset[tuple[str, Any]] = frozenset()
-        """(fqn, offset) of the tensor items the last save found changed: a hint, for the
-        next save to write them without waiting for their hash (`Session.lay_out`)."""
+        self.changing: dict[tuple[str, Any], int] = {}
+        """(fqn, offset) of the tensor items the last save wrote as changed, each with the
+        number of saves in a row that did so: a hint, for the next save to write them without
+        waiting for their hash, and to hash them only when `hash_due` (`Session.lay_out`)."""
         self.late_storages: frozenset[StorageKey] = frozenset()
-        """The large storages of those: the next save's `Prehash` hashes them last."""
+        """The large storages of those the next save hashes: its `Prehash` hashes them last."""
+        self.unhashed_storages: frozenset[StorageKey] = frozenset()
+        """The large storages of those the next save does not hash: its `Prehash` skips them."""
         self.byte_digests: dict[int, tuple[bytes, bytes]] = {}
         """id -> (bytes, hash) of the last save's byte items (plain values' bytes are made
         once per value, `plain_values`: the same objects come back at each save)."""
@@ -238,13 +242,17 @@ class Session:
         self.history = history
         self.reuse = reuse
         self.prefix = prefix
-        self._prehash = Prehash(state, history.digests, history.late_storages) if state else None
+        self._prehash = (
+            Prehash(state, history.digests, history.late_storages, history.unhashed_storages)
+            if state
+            else None
+        )
         self._plan: _Plan | None = None
         self._keyed: list[tuple[Hashable, bytes | None] | None] = []
         self._late: list[int] = []
         self._late_hashed: Future[None] | None = None
-        self._changed: set[tuple[str, Any]] = set()  # tensor items found changed
-        self._late_storages: set[StorageKey] = set()  # the large storages of those
+        self._hint: dict[tuple[str, Any], int] = {}  # `History.changing` as this save used it
+        self._changed: dict[tuple[str, Any], StorageKey | None] = {}  # written as changed
         self._storages: dict[int, StorageKey] = {}  # item number -> storage, if prehashed
         self._known: dict[Hashable, bytes | None] = {}
         self._placed: list[SavedFile] = []
@@ -261,26 +269,28 @@ class Session:
         all unchanged, and group the rest: unchanged (or likely frozen) items, then the
         others. Called on: each rank, in DCP's `write_data`.
 
-        A tensor item the last save found changed (`History.changing`, a hint) is written
+        A tensor item the last save wrote as changed (`History.changing`, a hint) is written
         without waiting for its hash: it goes with the changed items, and is hashed while the
-        files are written (`record` waits for it), for the next save to compare. A hint
-        never makes an item unchanged: only equal hashes do. Keys are plain tuples (fqn,
+        files are written (`record` waits for it), for the next save to compare, or, when it
+        is not `hash_due`, not hashed at all. A hint never makes an item unchanged: only equal
+        hashes do. Keys are plain tuples (fqn,
         offset, kind), hashed in C; what depends only on the plan is kept with it (`_Plan`)."""
         from trainckpt.format.shard_writer import Layout, ReusedResult, write_results
 
         history = self.history
         plan = self._plan = history.plan(items)
         previous = history.previous(self.reuse.storage)
-        hint = history.changing if previous is not None else frozenset()
+        hint = self._hint = history.changing if previous is not None else {}
         keyed = self._keyed = [None] * len(items)
         late: list[int] = []
+        unhashed: list[int] = []
         large: list[int] = []
         memo, old_memo = {}, history.byte_digests
         for n, (item, where, big, is_tensor) in enumerate(
             zip(items, plan.index, plan.large, plan.tensor, strict=True)
         ):
             if is_tensor and where in hint:
-                late.append(n)
+                (late if hash_due(hint[where]) else unhashed).append(n)
             elif big:
                 large.append(n)
             else:
@@ -296,6 +306,11 @@ class Session:
                     keyed[n] = _keyed_data(where, data)
         history.byte_digests = memo  # holds the bytes: an id is not reused meanwhile
         storages = self._storages
+        for n in unhashed:  # written as changed, with no hash: never taken for unchanged
+            data = resolve(items[n])
+            keyed[n] = _unhashed(plan.index[n], data)
+            if plan.large[n] and isinstance(data, torch.Tensor):
+                storages[n] = storage_key(data)
         _hash_large(items, large, resolve, threads, keyed, self._prehash, storages, urgent=True)
         self._late = late
         current: dict[Hashable, bytes | None] = dict(k for k in keyed if k is not None)
@@ -338,7 +353,6 @@ class Session:
         changing: list[WriteItem] = []
         unchanged: dict[StorageKey, bytes] = {}
         changed = self._changed
-        late_storages = self._late_storages
         for n, item in enumerate(items):
             one = keyed[n]
             if one is None:  # late: found changed last time
@@ -362,9 +376,7 @@ class Session:
             else:
                 changing.append(item)
                 if plan.tensor[n]:
-                    changed.add(plan.index[n])
-                    if n in storages:
-                        late_storages.add(storages[n])
+                    changed[plan.index[n]] = storages.get(n)
         # for the next async staging: the storages worth hashing there to skip their copy (a
         # trained state has none, and so pays no hash at staging)
         history.digests.hashed = unchanged
@@ -410,17 +422,23 @@ class Session:
                 SavedFile(shard.name, self.prefix + shard.name, save_id, done.entry, tuple(items))
             )
         self.history.add(files)
-        # the hint for the next save: the tensor items found changed in this one
+        # the hint for the next save: the tensor items written as changed in this one
         changed, known, storages = self._changed, self._known, self._storages
         for n in self._late:
             one = keyed[n]
             assert one is not None
             if one[1] is None or known.get(one[0]) != one[1]:
-                changed.add(plan.index[n])
-                if n in storages:
-                    self._late_storages.add(storages[n])
-        self.history.changing = frozenset(changed)
-        self.history.late_storages = frozenset(self._late_storages)
+                changed[plan.index[n]] = storages.get(n)
+        hint = self._hint
+        streaks = {where: hint.get(where, 0) + 1 for where in changed}
+        due = {where for where, streak in streaks.items() if hash_due(streak)}
+        self.history.changing = streaks
+        self.history.late_storages = frozenset(
+            s for where, s in changed.items() if s is not None and where in due
+        )
+        self.history.unhashed_storages = frozenset(
+            s for where, s in changed.items() if s is not None and where not in due
+        )
         return self._results(shards, written, files)
 
     def _results(
@@ -535,7 +553,8 @@ class Prehash:
     start of a save, so that the frozen base's hashing overlaps the rest of the save instead
     of preceding its writes: first those the save may take over (`urgent`), then those the
     last save found changed (`late`: the storages in `late`; they are written anyway, their
-    hash only recorded). Results are found by storage (`StorageKey`): an item that resolves
+    hash only recorded), and none of those in `skipped` (written anyway, and not `hash_due`
+    at this save). Results are found by storage (`StorageKey`): an item that resolves
     to the same storage holds the same bytes, since the state does not change while it is
     saved and the storages are held here until then. A staged buffer whose copy the stager
     skipped (`StorageDigests.vouched`: it holds the bytes hashed by the last save) is not
@@ -548,6 +567,7 @@ class Prehash:
         state: dict[str, Any],
         shared: StorageDigests,
         late: frozenset[StorageKey] = frozenset(),
+        skipped: frozenset[StorageKey] = frozenset(),
     ) -> None:
         tensors: dict[StorageKey, torch.Tensor] = {}
         for t in _plain_tensors(state):
@@ -561,7 +581,7 @@ class Prehash:
         self._urgent: list[Future[dict[StorageKey, bytes]]] = []
         self._later: list[Future[dict[StorageKey, bytes]]] = []
         self._waiting_later: set[StorageKey] = set()
-        keys = sorted(k for k in tensors if k not in self._known)
+        keys = sorted(k for k in tensors if k not in self._known and k not in skipped)
         if not keys:
             return
         urgent = [k for k in keys if k not in late]
@@ -602,6 +622,22 @@ parameter and name): likely the same at the next save, so those unchanged, and t
 the first time, fill files of their own (neither with a frozen base, which a changing learning
 rate would keep from being taken over, nor with the trained values, which change at every
 save)."""
+
+HASH_PERIOD = 8
+"""A tensor item written as changed at more than four saves in a row is hashed only at two
+saves in a row out of this many (`hash_due`)."""
+
+
+def hash_due(streak: int) -> bool:
+    """Whether a save hashes a tensor item that the saves before it wrote as changed `streak`
+    times in a row. An item is found unchanged only by two saves in a row that hashed it (the
+    second compares with the first's record). So it is hashed at the first four saves of a
+    streak (an item that changed for a few steps is taken over again at once), then at two
+    saves in a row out of `HASH_PERIOD`: a state that trains in full pays a quarter of its
+    hashing, and an item that stops changing later is taken over again within about
+    `HASH_PERIOD` saves. Only hashing is skipped: an item not hashed is written, never linked."""
+    return streak <= 4 or streak % HASH_PERIOD in (0, 1)
+
 
 PREHASH_THREADS = 2
 """Threads hashing a state's large tensors from the start of a save (xxh3 releases the
@@ -701,6 +737,12 @@ def _keyed(
 ) -> tuple[Hashable, bytes | None]:
     """(key, hash) of one item (`_keyed_data`)."""
     return _keyed_data((item.index.fqn, item.index.offset), resolve(item))
+
+
+def _unhashed(where: tuple[str, Any], data: ItemData) -> tuple[Hashable, None]:
+    """(key, no hash) of a tensor item at `where` that this save does not hash (`hash_due`)."""
+    kind = tensor_kind(data) if isinstance(data, torch.Tensor) else None
+    return (*where, kind), None
 
 
 def _keyed_data(where: tuple[str, Any], data: ItemData) -> tuple[Hashable, bytes | None]:
