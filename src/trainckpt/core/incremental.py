@@ -306,11 +306,12 @@ class Session:
                     keyed[n] = _keyed_data(where, data)
         history.byte_digests = memo  # holds the bytes: an id is not reused meanwhile
         storages = self._storages
-        for n in unhashed:  # written as changed, with no hash: never taken for unchanged
-            data = resolve(items[n])
-            keyed[n] = _unhashed(plan.index[n], data)
-            if plan.large[n] and isinstance(data, torch.Tensor):
-                storages[n] = storage_key(data)
+        for n in unhashed:  # written as changed, with no hash or kind: never taken unchanged
+            keyed[n] = ((*plan.index[n], None), None)
+            if plan.large[n]:  # for the next save's `Prehash` to skip, if not due either
+                data = resolve(items[n])
+                if isinstance(data, torch.Tensor):
+                    storages[n] = storage_key(data)
         _hash_large(items, large, resolve, threads, keyed, self._prehash, storages, urgent=True)
         self._late = late
         current: dict[Hashable, bytes | None] = dict(k for k in keyed if k is not None)
@@ -571,6 +572,8 @@ class Prehash:
     ) -> None:
         tensors: dict[StorageKey, torch.Tensor] = {}
         for t in _plain_tensors(state):
+            if t.nbytes < LARGE_ITEM:  # a small item: hashed where it is laid out
+                continue
             storage = t.untyped_storage()
             key = (storage.data_ptr(), storage.nbytes())
             if key[1] >= LARGE_ITEM and key not in tensors and tensor_kind(t) is not None:
@@ -737,12 +740,6 @@ def _keyed(
 ) -> tuple[Hashable, bytes | None]:
     """(key, hash) of one item (`_keyed_data`)."""
     return _keyed_data((item.index.fqn, item.index.offset), resolve(item))
-
-
-def _unhashed(where: tuple[str, Any], data: ItemData) -> tuple[Hashable, None]:
-    """(key, no hash) of a tensor item at `where` that this save does not hash (`hash_due`)."""
-    kind = tensor_kind(data) if isinstance(data, torch.Tensor) else None
-    return (*where, kind), None
 
 
 def _keyed_data(where: tuple[str, Any], data: ItemData) -> tuple[Hashable, bytes | None]:
