@@ -90,12 +90,12 @@ class SavedFile:
     def keys(self) -> list[Hashable]:
         """Its items' keys, in order (made once: a file is compared at every save that may
         take it over)."""
-        return [i.key for i in self.items]
+        return list(map(operator.itemgetter(0), self.items))
 
     @functools.cached_property
     def digests(self) -> list[bytes | None]:
         """Its items' hashes, in order."""
-        return [i.digest for i in self.items]
+        return list(map(operator.itemgetter(1), self.items))
 
     def unchanged_in(self, current: Mapping[Hashable, bytes | None]) -> bool:
         """True when every item of this file is in `current` (key -> hash) with the same hash
@@ -132,6 +132,11 @@ class _Plan:
         self.large = [_nbytes(i) >= LARGE_ITEM for i in items]
         self.position = {id(item): n for n, item in enumerate(items)}
         self.hyper = [i.index.fqn.startswith(_HYPER) for i in items]
+        self.plain_key = [
+            (*w, None if t else "bytes") for w, t in zip(self.index, self.tensor, strict=True)
+        ]
+        """Each item's key where it needs no data: a byte item's, and a tensor item's when it
+        is not hashed (made once per plan: a state of many entries has tens of thousands)."""
         self._frozen: set[str] | None = None
 
     def likely_frozen(self) -> set[str]:
@@ -301,20 +306,20 @@ class Session:
                     if digest is None:
                         digest = bytes_digest(data)
                     memo[id(data)] = (data, digest)
-                    keyed[n] = ((*where, "bytes"), digest)
+                    keyed[n] = (plan.plain_key[n], digest)
                 else:
                     keyed[n] = _keyed_data(where, data)
         history.byte_digests = memo  # holds the bytes: an id is not reused meanwhile
         storages = self._storages
         for n in unhashed:  # written as changed, with no hash or kind: never taken unchanged
-            keyed[n] = ((*plan.index[n], None), None)
+            keyed[n] = (plan.plain_key[n], None)
             if plan.large[n]:  # for the next save's `Prehash` to skip, if not due either
                 data = resolve(items[n])
                 if isinstance(data, torch.Tensor):
                     storages[n] = storage_key(data)
         _hash_large(items, large, resolve, threads, keyed, self._prehash, storages, urgent=True)
         self._late = late
-        current: dict[Hashable, bytes | None] = dict(k for k in keyed if k is not None)
+        current: dict[Hashable, bytes | None] = dict(filter(None, keyed))
         known = self._known = previous.known if previous is not None else {}
         candidates = [
             f
@@ -414,13 +419,20 @@ class Session:
         keyed, position = self._keyed, plan.position
         files = []
         for shard, done in zip(shards, written, strict=True):
-            items = []
-            for item, (offset, length) in zip(shard.items, done.spans, strict=True):
-                one = keyed[position[id(item)]]
-                assert one is not None
-                items.append(SavedItem(one[0], one[1], offset, length))
+            ones = list(map(keyed.__getitem__, map(position.__getitem__, map(id, shard.items))))
+            assert len(ones) == len(done.spans) and None not in ones
+            first, second = operator.itemgetter(0), operator.itemgetter(1)
+            items = tuple(
+                map(
+                    SavedItem,
+                    map(first, ones),  # type: ignore[arg-type]
+                    map(second, ones),  # type: ignore[arg-type]
+                    map(first, done.spans),
+                    map(second, done.spans),
+                )
+            )
             files.append(
-                SavedFile(shard.name, self.prefix + shard.name, save_id, done.entry, tuple(items))
+                SavedFile(shard.name, self.prefix + shard.name, save_id, done.entry, items)
             )
         self.history.add(files)
         # the hint for the next save: the tensor items written as changed in this one
