@@ -487,6 +487,12 @@ def main(argv: list[str] | None = None) -> int:
         "--incremental-size-mb", type=float, default=400.0, help="--incremental: frozen base size"
     )
     p.add_argument(
+        "--incremental-entries",
+        type=int,
+        default=16_000,
+        help="--incremental: entries of the fully trained many-entry state",
+    )
+    p.add_argument(
         "--scale-entries",
         default="2000,16000,64000",
         help="--scale: state sizes in entries (comma-separated)",
@@ -536,7 +542,11 @@ def main(argv: list[str] | None = None) -> int:
             from bench_incremental import bench_incremental
 
             report["incremental"] = bench_incremental(
-                args.incremental_size_mb, root, args.repeats, gcs=not args.no_gcs
+                args.incremental_size_mb,
+                root,
+                args.repeats,
+                gcs=not args.no_gcs,
+                entries=args.incremental_entries,
             )
             report["notes"] += report["incremental"]["notes"]
         elif args.scale:

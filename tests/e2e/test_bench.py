@@ -115,7 +115,8 @@ def test_bench_incremental_runs_and_prints_its_table(tmp_path: Path) -> None:
     """`--incremental` on a tiny frozen base: three saves per contender, each with its bytes
     written; from the second on, trainckpt writes (and uploads to GCS) only a sliver of it."""
     out = tmp_path / "inc.json"
-    args = ["--incremental", "--incremental-size-mb", "8", "--repeats", "1"]
+    args = ["--incremental", "--incremental-size-mb", "8", "--incremental-entries", "800"]
+    args += ["--repeats", "1"]
     args += ["--dir", str(tmp_path), "--json", str(out)]
     run = _bench(args)
     inc = json.loads(out.read_text())["incremental"]
@@ -125,7 +126,10 @@ def test_bench_incremental_runs_and_prints_its_table(tmp_path: Path) -> None:
     assert all(r["bytes_written"] < inc["frozen_bytes"] / 4 for r in ours[1:])
     assert all(r["bytes_uploaded"] < inc["frozen_bytes"] / 4 for r in inc["gcs"]["trainckpt"][1:])
     assert {"DCP async_save (thread)", "OLMo-core save_async"} <= set(inc["local"])
-    assert "target save 2: bytes" in run.stdout and "target fully trained" in run.stdout
+    assert "target save 2: bytes" in run.stdout
+    assert "target fully trained (200 MB), saves 6-9" in run.stdout
+    assert "target fully trained (800 entries), saves 6-9" in run.stdout
+    assert len(inc["fully_trained_entries"]["samples"]["on"]["steady"]) == 4
     assert list(tmp_path.iterdir()) == [out]
 
 
