@@ -278,8 +278,8 @@ class Session:
         without waiting for its hash: it goes with the changed items, and is hashed while the
         files are written (`record` waits for it), for the next save to compare, or, when it
         is not `hash_due`, not hashed at all. A hint never makes an item unchanged: only equal
-        hashes do. Keys are plain tuples (fqn,
-        offset, kind), hashed in C; what depends only on the plan is kept with it (`_Plan`)."""
+        hashes do. Keys are plain tuples (fqn, offset, kind), hashed in C; what depends only on
+        the plan is kept with it (`_Plan`)."""
         from trainckpt.format.shard_writer import Layout, ReusedResult, write_results
 
         history = self.history
@@ -421,16 +421,8 @@ class Session:
         for shard, done in zip(shards, written, strict=True):
             ones = list(map(keyed.__getitem__, map(position.__getitem__, map(id, shard.items))))
             assert len(ones) == len(done.spans) and None not in ones
-            first, second = operator.itemgetter(0), operator.itemgetter(1)
-            items = tuple(
-                map(
-                    SavedItem,
-                    map(first, ones),  # type: ignore[arg-type]
-                    map(second, ones),  # type: ignore[arg-type]
-                    map(first, done.spans),
-                    map(second, done.spans),
-                )
-            )
+            # (key, hash) + (offset, length) of each item, by C loops: tens of thousands of them
+            items = tuple(map(SavedItem._make, map(operator.add, ones, done.spans)))
             files.append(
                 SavedFile(shard.name, self.prefix + shard.name, save_id, done.entry, items)
             )
