@@ -691,8 +691,10 @@ def _hash_large(
     for n in which:
         item = items[n]
         data = resolve(item)
-        kind = tensor_kind(data) if isinstance(data, torch.Tensor) else None
-        if kind is None or _nbytes(item) < LARGE_ITEM:
+        kind = None  # a small item's is made in `_keyed_data`, once
+        if _nbytes(item) >= LARGE_ITEM and isinstance(data, torch.Tensor):
+            kind = tensor_kind(data)
+        if kind is None:  # small, a byte item, or a tensor never hashed
             keyed[n] = _keyed_data((item.index.fqn, item.index.offset), data)
             continue
         if prehash is None:
