@@ -262,15 +262,14 @@ def test_items_that_stop_changing_are_linked_again(run):
     assert_same_state(module, dst)
 
 
-@pytest.mark.parametrize("background", [False, True], ids=["save", "save_async"])
-def test_a_state_that_keeps_changing_is_hashed_at_two_saves_in_eight(
-    tmp_path, monkeypatch, background
-):
+@pytest.mark.parametrize("writer", [None, "thread", "process"], ids=["save", "thread", "process"])
+def test_a_state_that_keeps_changing_is_hashed_at_two_saves_in_eight(tmp_path, monkeypatch, writer):
     """A tensor written as changed save after save is hashed at the first four saves of its
     streak, then at two saves in a row out of `HASH_PERIOD` (8): a state that trains in full
     pays a quarter of the hashing. Every checkpoint, hashed or not, holds the state as saved.
     The large weight (2 MiB) is hashed on the prehash threads, the rest on the saving thread;
-    an async save hashes its staged copy (the shapes tell the tensors apart)."""
+    an async save hashes its staged copy (the shapes tell the tensors apart), with writer
+    threads or a writer process."""
     hashed: set[tuple[int, ...]] = set()
     digest = incremental.tensor_digest
 
@@ -287,14 +286,14 @@ def test_a_state_that_keeps_changing_is_hashed_at_two_saves_in_eight(
 
     module = trained_in_full(0)
     weights = [tuple(module.model[0].weight.shape), tuple(module.model[1].weight.shape)]
-    ckpt = CheckpointerConfig(work_dir=tmp_path / "work").build()
+    ckpt = CheckpointerConfig(work_dir=tmp_path / "work", async_writer=writer or "thread").build()
     saved: dict[int, ModelAndOptim] = {}
     seen: list[list[bool]] = []
     try:
         for step in range(1, 21):
             train(module, step)
             hashed.clear()
-            if background:
+            if writer is not None:
                 ckpt.save_async(tmp_path / f"step{step}", module, {"step": step}).result()
             else:
                 ckpt.save(tmp_path / f"step{step}", module, {"step": step})
