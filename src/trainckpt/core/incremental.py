@@ -578,9 +578,8 @@ class Prehash:
         for t in _plain_tensors(state):
             if t.nbytes < LARGE_ITEM:  # a small item: hashed where it is laid out
                 continue
-            storage = t.untyped_storage()
-            key = (storage.data_ptr(), storage.nbytes())
-            if key[1] >= LARGE_ITEM and key not in tensors and tensor_kind(t) is not None:
+            key = storage_key(t)
+            if key not in tensors and tensor_kind(t) is not None:
                 tensors[key] = t
         vouched = shared.vouched
         self._known = {k: vouched[k] for k in tensors if k in vouched}
