@@ -15,6 +15,7 @@ import torch
 from support.lora import BASE, BASE_BYTES, copy_of, lora_module, train
 from support.models import assert_plain_dcp_reads, assert_same_state
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.planner import WriteItemType
 
 from trainckpt import (
     Checkpointer,
@@ -24,6 +25,7 @@ from trainckpt import (
     ModelAndOptim,
 )
 from trainckpt.cli.main import main
+from trainckpt.core import dcp as dcp_module
 from trainckpt.core import incremental
 from trainckpt.format.shard_checksums import SAVE_ID_PREFIX
 
@@ -210,6 +212,77 @@ def test_a_new_lr_after_a_full_save_keeps_the_base_linked(run):
     dst = lora_module(seed=5)
     ckpt.load(folder / "step4", dst)
     assert_same_state(module, dst)
+
+
+def test_a_steady_save_resolves_no_byte_item_whose_value_is_the_same_object(run, monkeypatch):
+    """From the second save on, a byte item whose state value is the very immutable object of
+    the last save keeps that save's hash without being resolved (a state of many entries has
+    tens of thousands); one whose value was replaced (a new learning rate) is resolved (and its
+    file written, which resolves the items it holds), and the checkpoint holds the new value."""
+    ckpt, module, folder = run
+    assert module.optim is not None
+    resolved: list[str] = []
+    planner = dcp_module._SavePlanner
+    resolve = planner.resolve_item
+
+    def counting(self, item):
+        if item.type == WriteItemType.BYTE_IO:
+            resolved.append(item.index.fqn)
+        return resolve(self, item)
+
+    monkeypatch.setattr(planner, "resolve_item", counting)
+    counts = []
+    for step in (1, 2, 3):
+        train(module, step)
+        resolved.clear()
+        ckpt.save(folder / f"step{step}", module, {"step": step})
+        counts.append(len(resolved))
+    assert counts[0] > 0 and counts[1:] == [0, 0], counts
+    module.optim.param_groups[0]["lr"] = 5e-3
+    train(module, 4)
+    resolved.clear()
+    ckpt.save(folder / "step4", module, {"step": 4})
+    lrs = {fqn for fqn in resolved if fqn.endswith(".lr")}
+    assert lrs == {"optim.param_groups.1.weight.lr", "optim.param_groups.1.bias.lr"}, resolved
+    dst = lora_module(seed=5)
+    ckpt.load(folder / "step4", dst)
+    assert_same_state(module, dst)
+    assert dst.optim is not None and dst.optim.param_groups[0]["lr"] == 5e-3
+
+
+def test_a_mutable_hyperparameter_changed_in_place_and_a_new_plan_are_written_not_linked(run):
+    """A hyperparameter held in a list is changed in place (the same object, other bytes):
+    the save writes it anew. Then a new hyperparameter appears (a new plan, whose positions
+    differ from the last save's): the files the new plan holds unchanged, the frozen base's
+    among them, are still taken over, found by key. Each checkpoint loads as saved."""
+    ckpt, module, folder = run
+    assert module.optim is not None
+    group = module.optim.param_groups[0]
+    group["milestones"] = [10, 20]
+    saved = {}
+    for step in (1, 2, 3):
+        train(module, step)
+        ckpt.save(folder / f"step{step}", module, {"step": step})
+        saved[step] = copy.deepcopy(module)
+    group["milestones"][1] = 30  # in place
+    train(module, 4)
+    ckpt.save(folder / "step4", module, {"step": 4})
+    saved[4] = copy.deepcopy(module)
+    group["warmup"] = 100  # a new entry: a new plan
+    train(module, 5)
+    ckpt.save(folder / "step5", module, {"step": 5})
+    saved[5] = copy.deepcopy(module)
+    reused = linked(folder / "step4", folder / "step5")
+    assert sum(shards(folder / "step5")[n].st_size for n in reused) >= BASE_BYTES
+    for step, state in saved.items():
+        dst = copy.deepcopy(state)  # its plan; values that differ from the checkpoint's
+        dst.optim.param_groups[0]["milestones"] = [0, 0]
+        if step == 5:
+            dst.optim.param_groups[0]["warmup"] = -1
+        ckpt.load(folder / f"step{step}", dst)
+        assert_same_state(state, dst)
+        assert dst.optim.param_groups[0]["milestones"] == [10, 20 if step < 4 else 30]
+    assert dst.optim.param_groups[0]["warmup"] == 100
 
 
 def test_items_that_change_in_turn_are_never_described_by_the_last_saves_places(tmp_path):

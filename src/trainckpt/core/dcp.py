@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import io
+import itertools
 import logging
 import warnings
 from collections.abc import Callable, Generator, Iterator, Mapping
@@ -175,6 +176,12 @@ class _SavePlanner(plan_cache.ReusingSavePlanner):
         ):
             self._saved[id(obj)] = (obj, data)  # immutable: same object, same bytes
         return data
+
+    def values_of(self, fqns: list[str]) -> list[Any]:
+        """The state value behind each of `fqns` (`_ABSENT` where there is none), by a C loop:
+        `Session.lay_out` skips resolving a byte item whose value is the very object of the
+        last save."""
+        return list(map(self.state_dict.get, fqns, itertools.repeat(_ABSENT)))
 
     def resolve_data(self, write_item: WriteItem) -> Any:
         """DCP's value of an item, found directly for a plain value or a whole plain tensor

@@ -27,19 +27,21 @@ same bytes: deleting either checkpoint never affects the other.
 
 from __future__ import annotations
 
+import collections
 import functools
+import itertools
 import logging
 import operator
 import threading
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
 
 import torch
 
 from trainckpt.errors import CheckpointError, CheckpointNotFoundError
-from trainckpt.format import shard_checksums
+from trainckpt.format import plain_values, shard_checksums
 from trainckpt.format.content_hash import (
     LARGE_ITEM,
     StorageDigests,
@@ -62,17 +64,6 @@ if TYPE_CHECKING:  # DCP loads with the first save; `History` is built with the 
 log = logging.getLogger(__name__)
 
 
-class SavedItem(NamedTuple):
-    """One item of a shard file as a save wrote it (a tuple: made for every item written)."""
-
-    key: Hashable
-    """DCP's index of the item and its tensor kind: equal keys hold bytes of equal layout."""
-    digest: bytes | None
-    """xxh3-128 of its bytes; None for an item never compared (an odd tensor: a subclass...)."""
-    offset: int
-    length: int
-
-
 @dataclass(frozen=True)
 class SavedFile:
     """One shard file of a committed save of this rank."""
@@ -84,25 +75,44 @@ class SavedFile:
     save_id: str
     """The save that wrote its bytes (named by its item record)."""
     entry: FileEntry
-    items: tuple[SavedItem, ...]
+    pairs: list[tuple[Hashable, bytes | None]] = field(repr=False)
+    """Its items' (key, hash) in file order, the very pairs the save that wrote it laid out
+    (compared by identity first, `unchanged_at`). A key is DCP's index of the item and its
+    tensor kind (equal keys hold bytes of equal layout), a hash the xxh3-128 of its bytes, or
+    None for an item never compared (an odd tensor: a subclass...)."""
+    spans: list[tuple[int, int]] = field(repr=False)
+    """Its items' (offset, length) in the file."""
+    _where: list[Any] = field(default_factory=list, compare=False, repr=False)
+    """[a plan's items, its items' positions in that plan], for `positions_in`."""
 
     @functools.cached_property
     def keys(self) -> list[Hashable]:
-        """Its items' keys, in order (made once: a file is compared at every save that may
-        take it over)."""
-        return list(map(operator.itemgetter(0), self.items))
+        """Its items' keys, in order."""
+        return list(map(operator.itemgetter(0), self.pairs))
 
     @functools.cached_property
     def digests(self) -> list[bytes | None]:
         """Its items' hashes, in order."""
-        return list(map(operator.itemgetter(1), self.items))
+        return list(map(operator.itemgetter(1), self.pairs))
 
-    def unchanged_in(self, current: Mapping[Hashable, bytes | None]) -> bool:
-        """True when every item of this file is in `current` (key -> hash) with the same hash
-        (compared by C loops: a file of hyperparameters holds thousands of items)."""
-        digests = self.digests
+    def positions_in(self, plan: _Plan) -> list[int] | None:
+        """Its items' positions in `plan`, None if one is not in it (found once per plan)."""
+        where = self._where
+        if not where or where[0] is not plan.items:
+            found = list(map(plan.where.get, map(_WHERE, cast("list[tuple[Any, ...]]", self.keys))))
+            where[:] = [plan.items, None if None in found else found]
+        return cast("list[int] | None", where[1])
+
+    def unchanged_at(self, plan: _Plan, keyed: list[tuple[Hashable, bytes | None] | None]) -> bool:
+        """True when every item of this file is laid out again (`keyed`, by position in
+        `plan`) with the same key and hash (by C loops: a file of hyperparameters holds tens
+        of thousands of items, whose pairs are the very objects of the last save)."""
+        positions = self.positions_in(plan)
         return (
-            bool(digests) and None not in digests and list(map(current.get, self.keys)) == digests
+            positions is not None
+            and bool(positions)
+            and None not in self.digests
+            and list(_at(keyed, positions)) == self.pairs
         )
 
 
@@ -115,10 +125,7 @@ class _Committed:
     @functools.cached_property
     def known(self) -> dict[Hashable, bytes | None]:
         """Every item's hash, by key."""
-        known: dict[Hashable, bytes | None] = {}
-        for f in self.files:
-            known.update(zip(f.keys, f.digests, strict=True))
-        return known
+        return dict(itertools.chain.from_iterable(f.pairs for f in self.files))
 
 
 class _Plan:
@@ -131,12 +138,22 @@ class _Plan:
         self.tensor = [i.tensor_data is not None for i in items]
         self.large = [_nbytes(i) >= LARGE_ITEM for i in items]
         self.position = {id(item): n for n, item in enumerate(items)}
+        self.where = dict(zip(self.index, range(len(items)), strict=True))
+        """Each item's position by its (fqn, offset)."""
         self.hyper = [i.index.fqn.startswith(_HYPER) for i in items]
+        self.tensor_index = [w if t else None for w, t in zip(self.index, self.tensor, strict=True)]
+        """Each tensor item's (fqn, offset), as `History.changing` has it; None for byte items."""
+        self.bytes = [n for n, t in enumerate(self.tensor) if not t]
+        """The positions of the byte items."""
+        self.byte_items = [items[n] for n in self.bytes]
+        self.positions = range(len(items))
         self.plain_key = [
             (*w, None if t else "bytes") for w, t in zip(self.index, self.tensor, strict=True)
         ]
         """Each item's key where it needs no data: a byte item's, and a tensor item's when it
         is not hashed (made once per plan: a state of many entries has tens of thousands)."""
+        self.byte_keys: list[Hashable] = [self.plain_key[n] for n in self.bytes]
+        self.byte_fqns = [items[n].index.fqn for n in self.bytes]
         self._frozen: set[str] | None = None
 
     def likely_frozen(self) -> set[str]:
@@ -144,6 +161,23 @@ class _Plan:
         if self._frozen is None:
             self._frozen = _likely_frozen([i.index.fqn for i in self.items])
         return self._frozen
+
+
+class _ByteItems(NamedTuple):
+    """A save's byte items, in plan order (`_Plan.bytes`)."""
+
+    keys: list[Hashable]
+    """`_Plan.byte_keys` of the plan they were made for (compared by identity)."""
+    sources: list[Any]
+    """Each item's state value if an immutable plain value (`plain_values.value_key`), else
+    `_UNKNOWN`."""
+    data: list[ItemData]
+    """Each item's bytes as resolved (held: an id is not reused meanwhile)."""
+    keyed: list[tuple[Hashable, bytes | None] | None]
+
+
+_UNKNOWN = object()
+"""A state value that is never the same as another (`_ByteItems.sources`)."""
 
 
 class _Results(NamedTuple):
@@ -179,9 +213,8 @@ class History:
         """The large storages of those the next save hashes: its `Prehash` hashes them last."""
         self.unhashed_storages: frozenset[StorageKey] = frozenset()
         """The large storages of those the next save does not hash: its `Prehash` skips them."""
-        self.byte_digests: dict[int, tuple[bytes, bytes]] = {}
-        """id -> (bytes, hash) of the last save's byte items (plain values' bytes are made
-        once per value, `plain_values`: the same objects come back at each save)."""
+        self.byte_items = _ByteItems([], [], [], [])
+        """The last save's byte items (`Session._keyed_bytes`)."""
         self.file_results: dict[int, tuple[SavedFile, list[WriteItem], list[WriteResult]]] = {}
         """The results of every file of the last save (taken over or written), by id of its
         `SavedFile` (each held), with the plan they were made for."""
@@ -259,7 +292,7 @@ class Session:
         self._hint: dict[tuple[str, Any], int] = {}  # `History.changing` as this save used it
         self._changed: dict[tuple[str, Any], StorageKey | None] = {}  # written as changed
         self._storages: dict[int, StorageKey] = {}  # item number -> storage, if prehashed
-        self._known: dict[Hashable, bytes | None] = {}
+        self._previous: _Committed | None = None
         self._placed: list[SavedFile] = []
         self._reused: list[WriteResult] = []  # the results of the files taken over
         history.begin()
@@ -269,10 +302,12 @@ class Session:
         items: list[WriteItem],
         resolve: Callable[[WriteItem], ItemData],
         threads: int,
+        values_of: Callable[[list[str]], list[Any]] | None = None,
     ) -> Layout:
         """Hash the items that may be unchanged, take over the previous files whose items are
         all unchanged, and group the rest: unchanged (or likely frozen) items, then the
-        others. Called on: each rank, in DCP's `write_data`.
+        others. `values_of`: the state values behind byte items, by fqn, if the planner can
+        tell (`_keyed_bytes`). Called on: each rank, in DCP's `write_data`.
 
         A tensor item the last save wrote as changed (`History.changing`, a hint) is written
         without waiting for its hash: it goes with the changed items, and is hashed while the
@@ -284,109 +319,92 @@ class Session:
 
         history = self.history
         plan = self._plan = history.plan(items)
-        previous = history.previous(self.reuse.storage)
+        previous = self._previous = history.previous(self.reuse.storage)
         hint = self._hint = history.changing if previous is not None else {}
         keyed = self._keyed = [None] * len(items)
-        late: list[int] = []
-        unhashed: list[int] = []
+        storages = self._storages
+        # by positions in `items`, each list made by C loops: a state has tens of thousands
+        hinted_flags = list(map(hint.__contains__, plan.tensor_index))
+        hinted = _where(hinted_flags, plan.positions)
+        rest = _where(map(operator.not_, hinted_flags), plan.positions)
+        due = {streak: hash_due(streak) for streak in set(hint.values())}
+        dues = list(map(due.__getitem__, map(hint.__getitem__, _at(plan.index, hinted))))
+        late = _where(dues, hinted)
+        unhashed = _where(map(operator.not_, dues), hinted)
+        # written as changed, with no hash or kind: never taken unchanged
+        _put(keyed, unhashed, zip(_at(plan.plain_key, unhashed), itertools.repeat(None)))
+        for n in _where(_at(plan.large, unhashed), unhashed):
+            data = resolve(items[n])  # for the next save's `Prehash` to skip, if not due either
+            if isinstance(data, torch.Tensor):
+                storages[n] = storage_key(data)
+        _put(keyed, plan.bytes, self._keyed_bytes(resolve, values_of))
         large: list[int] = []
-        memo, old_memo = {}, history.byte_digests
-        for n, (item, where, big, is_tensor) in enumerate(
-            zip(items, plan.index, plan.large, plan.tensor, strict=True)
-        ):
-            if is_tensor and where in hint:
-                (late if hash_due(hint[where]) else unhashed).append(n)
-            elif big:
+        for n in _where(_at(plan.tensor, rest), rest):
+            if plan.large[n]:
                 large.append(n)
             else:
-                data = resolve(item)
-                if type(data) is bytes:  # a plain value's bytes, made once (`plain_values`)
-                    found = old_memo.get(id(data))
-                    digest = found[1] if found is not None and found[0] is data else None
-                    if digest is None:
-                        digest = bytes_digest(data)
-                    memo[id(data)] = (data, digest)
-                    keyed[n] = (plan.plain_key[n], digest)
-                else:
-                    keyed[n] = _keyed_data(where, data)
-        history.byte_digests = memo  # holds the bytes: an id is not reused meanwhile
-        storages = self._storages
-        for n in unhashed:  # written as changed, with no hash or kind: never taken unchanged
-            keyed[n] = (plan.plain_key[n], None)
-            if plan.large[n]:  # for the next save's `Prehash` to skip, if not due either
-                data = resolve(items[n])
-                if isinstance(data, torch.Tensor):
-                    storages[n] = storage_key(data)
+                keyed[n] = _keyed_data(plan.index[n], resolve(items[n]))
         _hash_large(items, large, resolve, threads, keyed, self._prehash, storages, urgent=True)
         self._late = late
-        current: dict[Hashable, bytes | None] = dict(filter(None, keyed))
-        known = self._known = previous.known if previous is not None else {}
         candidates = [
             f
             for f in (previous.files if previous is not None else ())
-            if f.rel == self.prefix + f.name and f.unchanged_in(current)
+            if f.rel == self.prefix + f.name and f.unchanged_at(plan, keyed)
         ]
-
-        @functools.cache
-        def item_of() -> dict[Hashable, WriteItem]:
-            """The items by key (made when a result is built)."""
-            return {k[0]: items[n] for n, k in enumerate(keyed) if k is not None}
-
         layout = Layout(groups=[])
         placed = self._placed = self._take_over(previous, candidates, threads) if previous else []
-        taken: set[Hashable] = set()
+        taken = [False] * len(items)  # by position: the items of the files taken over
         results = history.file_results
         history.file_results = {}
         for f in placed:
             layout.reused_files[f.name] = f.entry
+            positions = f.positions_in(plan)
+            assert positions is not None
             kept = results.get(id(f))
             if kept is None or kept[0] is not f or kept[1] is not items:
-                places = [(i.offset, i.length) for i in f.items]
-                kept = (f, items, write_results([item_of()[k] for k in f.keys], f.name, places))
+                kept = (f, items, write_results(list(_at(items, positions)), f.name, f.spans))
             rows = kept[2]
             first = rows[0]
             if type(first) is not ReusedResult or first.source_save_id != f.save_id:
                 # a file the last save wrote: its results then, the first naming that save
-                head = f.items[0]
-                span = [(head.offset, head.length)]
-                rows = write_results([item_of()[head.key]], f.name, span, f.save_id) + rows[1:]
+                head = write_results([items[positions[0]]], f.name, f.spans[:1], f.save_id)
+                rows = head + rows[1:]
                 kept = (f, items, rows)
             history.file_results[id(f)] = kept
             self._reused += rows
-            taken.update(f.keys)
-        stable: list[WriteItem] = []
-        hyper: list[WriteItem] = []  # hyperparameters unchanged (or seen for the first time)
-        changing: list[WriteItem] = []
-        unchanged: dict[StorageKey, bytes] = {}
+            _put(taken, positions, itertools.repeat(True))
+        stable: list[int] = []
+        hyper: list[int] = []  # hyperparameters unchanged (or seen for the first time)
+        changing = list(hinted)  # the late ones are compared in `record`
         changed = self._changed
-        for n, item in enumerate(items):
-            one = keyed[n]
-            if one is None:  # late: found changed last time
-                changing.append(item)
-                continue
-            key, digest = one
-            if key in taken:
-                if n in storages and digest is not None:
-                    unchanged[storages[n]] = digest
-                continue
+        changed.update(zip(_at(plan.index, unhashed), map(storages.get, unhashed), strict=True))
+        unchanged: dict[StorageKey, bytes] = {}  # storage -> hash of the items found unchanged
+        ready = cast("list[tuple[Hashable, bytes | None]]", keyed)  # keyed at `rest`, `storages`
+        for n in _where(map(operator.not_, _at(taken, rest)), rest):
+            key, digest = ready[n]
             if digest is None:
                 same = False
-            elif key in known:
-                same = known[key] == digest
+            elif key in self._known():
+                same = self._known()[key] == digest
             else:
-                same = plan.hyper[n] or item.index.fqn in plan.likely_frozen()
+                same = plan.hyper[n] or plan.index[n][0] in plan.likely_frozen()
             if same:
-                (hyper if plan.hyper[n] else stable).append(item)
+                (hyper if plan.hyper[n] else stable).append(n)
                 if n in storages and digest is not None:
                     unchanged[storages[n]] = digest
             else:
-                changing.append(item)
+                changing.append(n)
                 if plan.tensor[n]:
                     changed[plan.index[n]] = storages.get(n)
+        for n, where in storages.items():  # the large tensors of the files taken over
+            digest = ready[n][1]
+            if taken[n] and digest is not None:
+                unchanged[where] = digest
+        changing.sort()
         # for the next async staging: the storages worth hashing there to skip their copy (a
         # trained state has none, and so pays no hash at staging)
         history.digests.hashed = unchanged
-        groups = [g for g in (stable, hyper, changing) if g]
+        groups = [list(map(items.__getitem__, g)) for g in (stable, hyper, changing) if g]
         last_groups = {len(g): g for g in history.last_groups}
         for n, group in enumerate(groups):  # as last time: the same list (its files are kept)
             before = last_groups.get(len(group))
@@ -404,6 +422,53 @@ class Session:
             self._prehash = None
         return layout
 
+    def _known(self) -> dict[Hashable, bytes | None]:
+        """Every item's hash in the last committed save, by key (made on first use: a save
+        that compares no item by its hash does not need it)."""
+        previous = self._previous
+        return previous.known if previous is not None else {}
+
+    def _keyed_bytes(
+        self,
+        resolve: Callable[[WriteItem], ItemData],
+        values_of: Callable[[list[str]], list[Any]] | None,
+    ) -> list[tuple[Hashable, bytes | None]]:
+        """(key, hash) of each byte item of the plan (`_Plan.bytes`). An item whose state value
+        (`values_of`) is the very immutable plain value it was at the last save keeps that
+        save's (key, hash) without being resolved: its bytes depend on the value alone
+        (`plain_values`), and a state of many entries has tens of thousands of them. The
+        others are resolved and hashed once per distinct bytes object."""
+        plan = self._plan
+        assert plan is not None
+        count = len(plan.bytes)
+        last = self.history.byte_items
+        if last.keys is not plan.byte_keys:
+            last = _ByteItems(plan.byte_keys, [_UNKNOWN] * count, [b""] * count, [None] * count)
+        sources = values_of(plan.byte_fqns) if values_of is not None else [_UNKNOWN] * count
+        same = list(map(operator.is_, sources, last.sources))
+        if all(same):
+            return cast("list[tuple[Hashable, bytes | None]]", last.keyed)
+        # the last save's data are held until here: an equal id is the same object
+        digest_of = {
+            id(d): k[1]
+            for d, k in zip(last.data, last.keyed, strict=True)
+            if k and type(d) is bytes
+        }
+        kept, data, keyed = list(last.sources), list(last.data), list(last.keyed)
+        for i in [i for i, s in enumerate(same) if not s]:
+            value = data[i] = resolve(plan.byte_items[i])
+            if type(value) is bytes:  # immutable: the same object, the same hash
+                digest = digest_of.get(id(value))
+                if digest is None:
+                    digest = digest_of[id(value)] = bytes_digest(value)
+            else:
+                digest = None if isinstance(value, torch.Tensor) else bytes_digest(value)
+            keyed[i] = (plan.byte_keys[i], digest)
+            source = sources[i]
+            kept[i] = source if plain_values.value_key(source) is not None else _UNKNOWN
+        self.history.byte_items = _ByteItems(plan.byte_keys, kept, data, keyed)
+        return cast("list[tuple[Hashable, bytes | None]]", keyed)
+
     def record(
         self, shards: Sequence[Shard], written: Sequence[WrittenShard], save_id: str
     ) -> list[WriteResult]:
@@ -419,30 +484,30 @@ class Session:
         keyed, position = self._keyed, plan.position
         files = []
         for shard, done in zip(shards, written, strict=True):
-            ones = list(map(keyed.__getitem__, map(position.__getitem__, map(id, shard.items))))
+            positions = list(map(position.__getitem__, map(id, shard.items)))
+            ones = cast("list[tuple[Hashable, bytes | None]]", list(_at(keyed, positions)))
             assert len(ones) == len(done.spans) and None not in ones
-            # (key, hash) + (offset, length) of each item, by C loops: tens of thousands of them
-            items = tuple(map(SavedItem._make, map(operator.add, ones, done.spans)))
-            files.append(
-                SavedFile(shard.name, self.prefix + shard.name, save_id, done.entry, items)
-            )
+            rel = self.prefix + shard.name
+            where = [plan.items, positions]
+            files.append(SavedFile(shard.name, rel, save_id, done.entry, ones, done.spans, where))
         self.history.add(files)
         # the hint for the next save: the tensor items written as changed in this one
-        changed, known, storages = self._changed, self._known, self._storages
+        changed, known, storages = self._changed, self._known(), self._storages
         for n in self._late:
             one = keyed[n]
             assert one is not None
             if one[1] is None or known.get(one[0]) != one[1]:
                 changed[plan.index[n]] = storages.get(n)
-        hint = self._hint
-        streaks = {where: hint.get(where, 0) + 1 for where in changed}
-        due = {where for where, streak in streaks.items() if hash_due(streak)}
-        self.history.changing = streaks
-        self.history.late_storages = frozenset(
-            s for where, s in changed.items() if s is not None and where in due
-        )
+        # by C loops over `changed` (a state that trains in full: every tensor item)
+        before = map(self._hint.get, changed, itertools.repeat(0))
+        streaks = list(map(operator.add, before, itertools.repeat(1)))
+        due = {streak: hash_due(streak) for streak in set(streaks)}
+        dues = list(map(due.__getitem__, streaks))
+        large = list(changed.values())  # the storages of the large ones, else None
+        self.history.changing = dict(zip(changed, streaks, strict=True))
+        self.history.late_storages = frozenset(filter(None, _where(dues, large)))
         self.history.unhashed_storages = frozenset(
-            s for where, s in changed.items() if s is not None and where not in due
+            filter(None, _where(map(operator.not_, dues), large))
         )
         return self._results(shards, written, files)
 
@@ -718,6 +783,26 @@ def _hash_large(
             done = pool.map(lambda n: _keyed(items[n], resolve), rest)
             for n, one in zip(rest, done, strict=True):
                 keyed[n] = one
+
+
+_T = TypeVar("_T")
+_WHERE = operator.itemgetter(0, 1)
+"""The (fqn, offset) of an item's key."""
+
+
+def _at(values: list[Any], positions: Iterable[int]) -> Iterator[Any]:
+    """The values at `positions`, by a C loop."""
+    return map(values.__getitem__, positions)
+
+
+def _where(flags: Iterable[object], values: Iterable[_T]) -> list[_T]:
+    """The values (positions, mostly) whose flag is true, by a C loop."""
+    return list(itertools.compress(values, flags))
+
+
+def _put(target: list[Any], positions: Iterable[int], values: Iterable[Any]) -> None:
+    """`target[n] = value` for each position and value, by a C loop."""
+    collections.deque(map(target.__setitem__, positions, values), maxlen=0)
 
 
 def _same_items(a: list[WriteItem], b: list[WriteItem]) -> bool:

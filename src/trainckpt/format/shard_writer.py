@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import google_crc32c
 import torch
@@ -91,7 +91,11 @@ class ItemLayout(Protocol):
     (`core/incremental.py` `Session`)."""
 
     def lay_out(
-        self, items: list[WriteItem], resolve: Callable[[WriteItem], ItemData], threads: int
+        self,
+        items: list[WriteItem],
+        resolve: Callable[[WriteItem], ItemData],
+        threads: int,
+        values_of: Callable[[list[str]], list[Any]] | None = None,
     ) -> Layout: ...
 
     def record(
@@ -196,7 +200,8 @@ class RecordingWriter(FileSystemWriter):
             files = _files(plan.items, self.thread_count)
             buckets = files.buckets
         else:
-            layout = self.incremental.lay_out(plan.items, resolve, self.thread_count)
+            values_of = getattr(planner, "values_of", None)
+            layout = self.incremental.lay_out(plan.items, resolve, self.thread_count, values_of)
             for name, entry in layout.reused_files.items():
                 self.written[name] = entry
             # a group handed out again (the same list: `Session.lay_out`) keeps its files
