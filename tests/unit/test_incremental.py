@@ -250,6 +250,24 @@ def test_a_steady_save_resolves_no_byte_item_whose_value_is_the_same_object(run,
     assert dst.optim is not None and dst.optim.param_groups[0]["lr"] == 5e-3
 
 
+def test_without_the_planners_values_every_byte_item_is_hashed_at_every_save(run, monkeypatch):
+    """A planner that cannot tell the state values behind byte items (no `values_of`): each
+    save resolves and hashes every byte item, and a new learning rate is written."""
+    ckpt, module, folder = run
+    assert module.optim is not None
+    monkeypatch.delattr(dcp_module._SavePlanner, "values_of")
+    for step in (1, 2, 3):
+        train(module, step)
+        ckpt.save(folder / f"step{step}", module, {"step": step})
+    module.optim.param_groups[0]["lr"] = 5e-3
+    train(module, 4)
+    ckpt.save(folder / "step4", module, {"step": 4})
+    dst = lora_module(seed=5)
+    ckpt.load(folder / "step4", dst)
+    assert_same_state(module, dst)
+    assert dst.optim is not None and dst.optim.param_groups[0]["lr"] == 5e-3
+
+
 def test_a_mutable_hyperparameter_changed_in_place_and_a_new_plan_are_written_not_linked(run):
     """A hyperparameter held in a list is changed in place (the same object, other bytes):
     the save writes it anew. Then a new hyperparameter appears (a new plan, whose positions

@@ -177,7 +177,8 @@ class _ByteItems(NamedTuple):
 
 
 _UNKNOWN = object()
-"""A state value that is never the same as another (`_ByteItems.sources`)."""
+"""Kept for a state value that is not an immutable plain value (`_ByteItems.sources`): never
+the same as a value `values_of` returns."""
 
 
 class _Results(NamedTuple):
@@ -444,8 +445,11 @@ class Session:
         last = self.history.byte_items
         if last.keys is not plan.byte_keys:
             last = _ByteItems(plan.byte_keys, [_UNKNOWN] * count, [b""] * count, [None] * count)
-        sources = values_of(plan.byte_fqns) if values_of is not None else [_UNKNOWN] * count
-        same = list(map(operator.is_, sources, last.sources))
+        if values_of is None:
+            sources, same = [_UNKNOWN] * count, [False] * count
+        else:
+            sources = values_of(plan.byte_fqns)
+            same = list(map(operator.is_, sources, last.sources))
         if all(same):
             return cast("list[tuple[Hashable, bytes | None]]", last.keyed)
         # the last save's data are held until here: an equal id is the same object
