@@ -47,10 +47,12 @@ from trainckpt.format.content_hash import (
     StorageDigests,
     StorageKey,
     bytes_digest,
+    item_digest,
     storage_key,
     tensor_digest,
     tensor_kind,
 )
+from trainckpt.format.tensor_item import small_item
 from trainckpt.storage import Storage
 from trainckpt.storage.checksums import FileEntry
 from trainckpt.testing.faults import fault_point
@@ -137,6 +139,7 @@ class _Plan:
         self.index: list[tuple[str, Any]] = [(i.index.fqn, i.index.offset) for i in items]
         self.tensor = [i.tensor_data is not None for i in items]
         self.large = [_nbytes(i) >= LARGE_ITEM for i in items]
+        self.any_large = any(self.large)
         self.position = {id(item): n for n, item in enumerate(items)}
         self.where = dict(zip(self.index, range(len(items)), strict=True))
         """Each item's position by its (fqn, offset)."""
@@ -153,6 +156,8 @@ class _Plan:
         """Each item's key where it needs no data: a byte item's, and a tensor item's when it
         is not hashed (made once per plan: a state of many entries has tens of thousands)."""
         self.byte_keys: list[Hashable] = [self.plain_key[n] for n in self.bytes]
+        self.item_key = [(*w, _ITEM) for w in self.index]
+        """Each item's key when hashed by its small tensor's item bytes (`_keyed_small`)."""
         self.byte_fqns = [items[n].index.fqn for n in self.bytes]
         self._frozen: set[str] | None = None
 
@@ -232,6 +237,12 @@ class History:
             plan = self._plan = _Plan(items)
         return plan
 
+    def may_hold_large(self) -> bool:
+        """False when the last plan held no large tensor item: the next save's `Prehash`
+        would walk the whole state (tens of thousands of entries) to find none. If one
+        appears, the layout hashes it itself (`_hash_large`)."""
+        return self._plan is None or self._plan.any_large
+
     def previous(self, storage: Storage) -> _Committed | None:
         """The last committed save, if it went to the same kind of storage."""
         last = self._last
@@ -283,7 +294,7 @@ class Session:
         self.prefix = prefix
         self._prehash = (
             Prehash(state, history.digests, history.late_storages, history.unhashed_storages)
-            if state
+            if state and history.may_hold_large()
             else None
         )
         self._plan: _Plan | None = None
@@ -344,9 +355,10 @@ class Session:
             if plan.large[n]:
                 large.append(n)
             else:
-                keyed[n] = _keyed_data(plan.index[n], resolve(items[n]))
+                keyed[n] = _keyed_small(plan.index[n], resolve(items[n]))
         _hash_large(items, large, resolve, threads, keyed, self._prehash, storages, urgent=True)
-        self._late = late
+        # the small ones are hashed by the writers, from the item bytes they make anyway
+        self._late, late = late, _where(_at(plan.large, late), late)
         candidates = [
             f
             for f in (previous.files if previous is not None else ())
@@ -423,6 +435,24 @@ class Session:
             self._prehash = None
         return layout
 
+    def _keyed_by_writer(self, positions: list[int], digests: list[bytes | None] | None) -> None:
+        """Key the small tensor items the layout left unhashed (those the last save found
+        changed) by the digests the writer made of their item bytes (`_keyed_small`); one it
+        did not hash is never taken for unchanged."""
+        plan, keyed = self._plan, self._keyed
+        assert plan is not None
+        unkeyed = map(operator.is_, _at(keyed, positions), itertools.repeat(None))
+        waiting = _where(unkeyed, positions)
+        if not waiting:
+            return
+        found = dict(zip(positions, digests, strict=True)) if digests is not None else {}
+        for n in waiting:
+            digest = found.get(n)
+            if digest is None:
+                keyed[n] = (plan.plain_key[n], None)
+            else:
+                keyed[n] = (plan.item_key[n], digest)
+
     def _known(self) -> dict[Hashable, bytes | None]:
         """Every item's hash in the last committed save, by key (made on first use: a save
         that compares no item by its hash does not need it)."""
@@ -489,6 +519,7 @@ class Session:
         files = []
         for shard, done in zip(shards, written, strict=True):
             positions = list(map(position.__getitem__, map(id, shard.items)))
+            self._keyed_by_writer(positions, done.digests)
             ones = cast("list[tuple[Hashable, bytes | None]]", list(_at(keyed, positions)))
             assert len(ones) == len(done.spans) and None not in ones
             rel = self.prefix + shard.name
@@ -763,7 +794,7 @@ def _hash_large(
         if _nbytes(item) >= LARGE_ITEM and isinstance(data, torch.Tensor):
             kind = tensor_kind(data)
         if kind is None:  # small, a byte item, or a tensor never hashed
-            keyed[n] = _keyed_data((item.index.fqn, item.index.offset), data)
+            keyed[n] = _keyed_small((item.index.fqn, item.index.offset), data)
             continue
         if prehash is None:
             rest.append(n)
@@ -834,6 +865,21 @@ def _keyed(
 ) -> tuple[Hashable, bytes | None]:
     """(key, hash) of one item (`_keyed_data`)."""
     return _keyed_data((item.index.fqn, item.index.offset), resolve(item))
+
+
+_ITEM = "item"
+"""The kind in the key of a small tensor hashed by its item bytes (`_keyed_small`)."""
+
+
+def _keyed_small(where: tuple[str, Any], data: ItemData) -> tuple[Hashable, bytes | None]:
+    """(key, hash) of a small item at `where`: a plain small tensor's hash is that of the item
+    bytes the shard writer writes for it (`tensor_item.small_item`: they fix its kind too), as
+    the writers hash those they write (`WrittenShard.digests`); others as `_keyed_data`."""
+    if isinstance(data, torch.Tensor):
+        item = small_item(data)
+        if item is not None:
+            return (*where, _ITEM), item_digest(item)
+    return _keyed_data(where, data)
 
 
 def _keyed_data(where: tuple[str, Any], data: ItemData) -> tuple[Hashable, bytes | None]:

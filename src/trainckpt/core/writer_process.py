@@ -85,6 +85,8 @@ class Job:
     """Arenas the process has not mapped yet: their descriptors follow the job, in order."""
     scratch: list[str]
     """Arenas of this save only: the process unmaps them once it is done."""
+    digests: bool = False
+    """Whether each file's small tensors are hashed (`WrittenShard.digests`)."""
 
 
 class WriterProcess:
@@ -109,6 +111,7 @@ class WriterProcess:
         save_id: str,
         fsync: bool,
         on_file: Callable[[str], None] | None,
+        digests: bool = False,
     ) -> list[WrittenShard]:
         if not shards:
             return []
@@ -125,6 +128,7 @@ class WriterProcess:
             {a: arena.size for a, arena in arenas.items()},
             new,
             scratch,
+            digests,
         )
         written: dict[str, WrittenShard] = {}
         try:
@@ -385,7 +389,7 @@ def _write_job(
     folder = Path(job.folder)
 
     def write(name: str, refs: list[TensorRef | bytes]) -> WrittenShard:
-        return write_shard(folder, name, _items(refs, maps), job.save_id, job.fsync)
+        return write_shard(folder, name, _items(refs, maps), job.save_id, job.fsync, job.digests)
 
     error: BaseException | None = None
     with ThreadPoolExecutor(job.threads, thread_name_prefix="trainckpt-write") as pool:

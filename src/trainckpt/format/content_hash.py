@@ -53,6 +53,14 @@ def tensor_digest(tensor: torch.Tensor) -> bytes:
     return xxhash.xxh3_128_digest(view)  # the bytes of `storage_bytes`, at a third of its cost
 
 
+def item_digest(item: bytes) -> bytes:
+    """xxh3-128 of a small tensor's item bytes as the shard writer writes them
+    (`tensor_item.small_item`: a head and tail fixed by the tensor's kind around its storage's
+    bytes), so equal digests mean equal bytes in the file. Called on: the saving thread, and
+    the writer threads (or process), which hash the items they make anyway."""
+    return xxhash.xxh3_128_digest(item)
+
+
 def storage_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of `tensor`'s whole storage, without a copy (what `torch.save` writes)."""
     storage = tensor.untyped_storage()

@@ -68,6 +68,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from trainckpt.format import metadata_files, plain_values, shard_checksums
+from trainckpt.format.content_hash import item_digest
 from trainckpt.format.layout import DCP_METADATA_FILE, NATIVE_METADATA_FILE
 from trainckpt.format.tensor_item import small_item, write_tensor
 from trainckpt.storage.checksummed_file import ChecksummedWriter, checksummed_file
@@ -209,7 +210,12 @@ class RecordingWriter(FileSystemWriter):
         names = _free_names(prefix, set(self.written))
         shards = [Shard(next(names), items, resolve) for items in buckets]
         written = self.shard_writer.write_shards(
-            Path(self.path), shards, self.save_id, self.sync_files, self.on_file
+            Path(self.path),
+            shards,
+            self.save_id,
+            self.sync_files,
+            self.on_file,
+            digests=self.incremental is not None,
         )
         for shard, done in zip(shards, written, strict=True):
             self.written[shard.name] = done.entry
@@ -415,6 +421,9 @@ class WrittenShard:
     name: str
     entry: FileEntry
     spans: list[tuple[int, int]]
+    digests: list[bytes | None] | None = None
+    """When asked for: each item's `content_hash.item_digest`, for a small tensor (its item
+    bytes, made for the write: hashed by a C loop), else None."""
 
 
 class ShardWriter(Protocol):
@@ -427,10 +436,12 @@ class ShardWriter(Protocol):
         save_id: str,
         fsync: bool,
         on_file: Callable[[str], None] | None,
+        digests: bool = False,
     ) -> list[WrittenShard]:
         """Write every shard into `folder` (each file fsynced with `fsync`), calling
-        `on_file(name)` as each is complete; return them in the order given; raise the first
-        failure once every file is finished or failed."""
+        `on_file(name)` as each is complete; return them in the order given (with their small
+        tensors' digests if `digests`); raise the first failure once every file is finished
+        or failed."""
         ...
 
 
@@ -444,12 +455,13 @@ class ThreadShardWriter:
         save_id: str,
         fsync: bool,
         on_file: Callable[[str], None] | None,
+        digests: bool = False,
     ) -> list[WrittenShard]:
         if not shards:
             return []
 
         def write(shard: Shard) -> WrittenShard:
-            done = write_shard(folder, shard.name, shard.data(), save_id, fsync)
+            done = write_shard(folder, shard.name, shard.data(), save_id, fsync, digests)
             if on_file is not None:
                 on_file(shard.name)
             return done
@@ -460,17 +472,23 @@ class ThreadShardWriter:
 
 
 def write_shard(
-    folder: Path, name: str, items: Iterable[ItemData], save_id: str, fsync: bool
+    folder: Path,
+    name: str,
+    items: Iterable[ItemData],
+    save_id: str,
+    fsync: bool,
+    digests: bool = False,
 ) -> WrittenShard:
     """Write shard file `name`: each item (a tensor as `torch.save` writes it minus the zip
     CRC32, `tensor_item`; a byte item as it is), then its item record; fsynced with `fsync`.
     Small items are gathered into one write (`_SmallItems`), in runs of one kind handed over
-    together (a run's checksums and places are computed in one pass, not item by item).
+    together (a run's checksums and places are computed in one pass, not item by item), and,
+    with `digests`, a run of small tensors is hashed in the same way (`WrittenShard.digests`).
     Called on: a writer thread, or the writer process."""
     parts: list[tuple[int, int, int]] = []
     batch = _SmallItems.BATCH
     with checksummed_file(folder / name, fsync=fsync) as out:
-        small = _SmallItems(out, parts)
+        small = _SmallItems(out, parts, [] if digests else None)
         values: list[bytes] = []  # byte items not handed over yet
         raws: list[bytes] = []  # small tensors' items not handed over yet
         size = 0  # their bytes
@@ -490,6 +508,7 @@ def write_shard(
                     out.start_part()
                     write_tensor(data, out)  # type: ignore[arg-type]
                     parts.append(out.part())
+                    small.no_digests(1)
                     continue
                 raws.append(raw)
                 size += len(raw)
@@ -513,7 +532,7 @@ def write_shard(
             small.add_items(raws)
         small.flush()
         out.write(shard_checksums.encode(name, save_id, parts))
-    return WrittenShard(name, out.entry(), list(map(_SPAN, parts)))
+    return WrittenShard(name, out.entry(), list(map(_SPAN, parts)), small.digests)
 
 
 _SPAN = operator.itemgetter(0, 1)
@@ -538,8 +557,15 @@ class _SmallItems:
 
     BATCH = 1 << 20
 
-    def __init__(self, out: ChecksummedWriter, parts: list[tuple[int, int, int]]) -> None:
+    def __init__(
+        self,
+        out: ChecksummedWriter,
+        parts: list[tuple[int, int, int]],
+        digests: list[bytes | None] | None = None,
+    ) -> None:
         self._out, self._parts = out, parts
+        self.digests = digests
+        """If kept: each item's digest in order (`WrittenShard.digests`)."""
         self._pending: list[bytes] = []
         self._size = 0
         self._crcs: dict[bytes, int] = {}
@@ -549,11 +575,19 @@ class _SmallItems:
 
     def add_items(self, items: list[bytes]) -> None:
         """Append tensors' items, in order (equal ones shared)."""
+        if self.digests is not None:
+            self.digests += map(item_digest, items)
         self._extend(items, None)
 
     def add_values(self, items: list[bytes]) -> None:
         """Append byte items, in order; the CRC32C of equal small items is computed once."""
+        self.no_digests(len(items))
         self._extend(items, self._crcs)
+
+    def no_digests(self, count: int) -> None:
+        """`count` items with no digest (byte items, large tensors) come next."""
+        if self.digests is not None:
+            self.digests += itertools.repeat(None, count)
 
     def _extend(self, items: list[bytes], known: dict[bytes, int] | None) -> None:
         placed = self._placed
