@@ -156,10 +156,17 @@ class _Plan:
         """Each item's key where it needs no data: a byte item's, and a tensor item's when it
         is not hashed (made once per plan: a state of many entries has tens of thousands)."""
         self.byte_keys: list[Hashable] = [self.plain_key[n] for n in self.bytes]
-        self.item_key = [(*w, _ITEM) for w in self.index]
-        """Each item's key when hashed by its small tensor's item bytes (`_keyed_small`)."""
         self.byte_fqns = [items[n].index.fqn for n in self.bytes]
         self._frozen: set[str] | None = None
+
+    def first_hint(self) -> dict[tuple[str, Any], int]:
+        """The hint of a save with no previous one (`History.changing`, a streak of 0: due):
+        the tensor items it writes as changed whatever their hash (all but the likely frozen),
+        hashed while they are written, for the next save to compare, not before."""
+        frozen = self.likely_frozen()
+        return {
+            where: 0 for where in self.tensor_index if where is not None and where[0] not in frozen
+        }
 
     def likely_frozen(self) -> set[str]:
         """`_likely_frozen` of the plan's entries (made on first use)."""
@@ -332,7 +339,7 @@ class Session:
         history = self.history
         plan = self._plan = history.plan(items)
         previous = self._previous = history.previous(self.reuse.storage)
-        hint = self._hint = history.changing if previous is not None else {}
+        hint = self._hint = history.changing if previous is not None else plan.first_hint()
         keyed = self._keyed = [None] * len(items)
         storages = self._storages
         # by positions in `items`, each list made by C loops: a state has tens of thousands
@@ -451,7 +458,7 @@ class Session:
             if digest is None:
                 keyed[n] = (plan.plain_key[n], None)
             else:
-                keyed[n] = (plan.item_key[n], digest)
+                keyed[n] = ((*plan.index[n], _ITEM), digest)
 
     def _known(self) -> dict[Hashable, bytes | None]:
         """Every item's hash in the last committed save, by key (made on first use: a save
