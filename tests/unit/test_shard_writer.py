@@ -21,7 +21,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from trainckpt import CheckpointerConfig
 from trainckpt.core.dcp import save_state
-from trainckpt.format import shard_checksums, shard_writer, tensor_item
+from trainckpt.format import content_hash, shard_checksums, shard_writer, tensor_item
 from trainckpt.format.layout import DCP_METADATA_FILE, NATIVE_METADATA_FILE
 from trainckpt.storage.checksums import crc32c_file
 
@@ -177,6 +177,33 @@ def test_tensors_of_one_kind_are_serialized_once_and_written_as_torch_save_would
             assert torch.equal(loaded, tensor) and loaded.stride() == tensor.stride()
     finally:
         torch.serialization.set_crc32_options(True)
+
+
+def test_digests_of_the_small_tensors_are_those_of_the_bytes_in_the_file(tmp_path: Path) -> None:
+    """Asked for digests, the writer returns one per item in order: for a small tensor the
+    xxh3-128 of its item's bytes as they are in the file (what an incremental save compares),
+    equal for equal items and different for the same values in another shape; None for a
+    byte item and a large tensor, which it writes another way."""
+    small = torch.arange(64, dtype=torch.float32)
+    items: list[object] = [
+        b"a byte item",
+        small,
+        torch.zeros(1 << 19),  # 2 MiB: written through the serializer
+        small.clone(),
+        small.reshape(8, 8).clone(),
+        b"another",
+        torch.tensor(3.0),
+    ]
+    done = shard_writer.write_shard(tmp_path, "s.distcp", iter(items), "id", False, True)
+    assert done.digests is not None and len(done.digests) == len(items)
+    data = (tmp_path / "s.distcp").read_bytes()
+    for item, digest, (offset, length) in zip(items, done.digests, done.spans, strict=True):
+        if isinstance(item, bytes) or item.nbytes >= tensor_item.ItemTemplates.SMALL:
+            assert digest is None
+        else:
+            assert digest == content_hash.item_digest(data[offset : offset + length])
+    assert done.digests[1] == done.digests[3] != done.digests[4]
+    assert shard_writer.write_shard(tmp_path, "t.distcp", iter(items), "id", False).digests is None
 
 
 def test_one_rank_skips_the_deduplication_across_ranks(
