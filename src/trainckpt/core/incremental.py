@@ -786,10 +786,10 @@ def _hash_large(
     storages: dict[int, StorageKey] | None,
     urgent: bool,
 ) -> None:
-    """Set `keyed[n]` (`_keyed`) for each item number in `which`: a tensor `prehash` hashed
-    takes that hash (waiting for the `urgent` ones, or all; `storages` gets its storage),
-    a small one is hashed here, the other large ones on `threads` threads (xxh3 releases the
-    interpreter lock)."""
+    """Set `keyed[n]` (`_keyed`) for each (large) item number in `which`: a tensor `prehash`
+    hashed takes that hash (waiting for the `urgent` ones, or all; `storages` gets its
+    storage), the other large ones are hashed on `threads` threads (xxh3 releases the
+    interpreter lock), anything else here (`_keyed_small`)."""
     if not which:
         return
     found: list[tuple[int, torch.Tensor, Hashable, StorageKey]] = []
@@ -797,7 +797,7 @@ def _hash_large(
     for n in which:
         item = items[n]
         data = resolve(item)
-        kind = None  # a small item's is made in `_keyed_data`, once
+        kind = None
         if _nbytes(item) >= LARGE_ITEM and isinstance(data, torch.Tensor):
             kind = tensor_kind(data)
         if kind is None:  # small, a byte item, or a tensor never hashed
