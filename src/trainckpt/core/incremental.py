@@ -80,8 +80,9 @@ class SavedFile:
     pairs: list[tuple[Hashable, bytes | None]] = field(repr=False)
     """Its items' (key, hash) in file order, the very pairs the save that wrote it laid out
     (compared by identity first, `unchanged_at`). A key is DCP's index of the item and its
-    tensor kind (equal keys hold bytes of equal layout), a hash the xxh3-128 of its bytes, or
-    None for an item never compared (an odd tensor: a subclass...)."""
+    tensor kind (equal keys hold bytes of equal layout; `_ITEM` for a small tensor, whose item
+    bytes are hashed), a hash the xxh3-128 of its bytes, or None for an item not hashed (by
+    the schedule, `hash_due`, or never: a subclass...)."""
     spans: list[tuple[int, int]] = field(repr=False)
     """Its items' (offset, length) in the file."""
     _where: list[Any] = field(default_factory=list, compare=False, repr=False)
