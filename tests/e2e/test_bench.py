@@ -127,7 +127,7 @@ def test_bench_incremental_runs_and_prints_its_table(tmp_path: Path) -> None:
     assert all(r["bytes_uploaded"] < inc["frozen_bytes"] / 4 for r in inc["gcs"]["trainckpt"][1:])
     assert {"DCP async_save (thread)", "OLMo-core save_async"} <= set(inc["local"])
     assert "target save 2: bytes" in run.stdout
-    assert "target fully trained (200 MB), saves 6-9" in run.stdout
+    assert "target fully trained (8 MB), saves 6-9" in run.stdout
     assert "target fully trained (800 entries), saves 6-9" in run.stdout
     assert len(inc["fully_trained_entries"]["samples"]["on"]["steady"]) == 4
     assert list(tmp_path.iterdir()) == [out]
