@@ -100,6 +100,10 @@ def test_bench_scale_runs_and_prints_its_tables(tmp_path: Path) -> None:
     assert "target simulated 4 ranks: rank 0 commit work" in run.stdout
     assert "target safe unpickle / pickle at every simulated size: worst" in run.stdout
     assert "2: " in run.stdout.split("at every simulated size")[1]  # each size's ratio named
+    foreign = scale["foreign"]["400"]  # DCP's own one-rank .metadata of the 400-entry state
+    assert foreign["entries"] == 400 and foreign["metadata_bytes"] > 0
+    assert foreign["safe unpickle"]["s"] > 0 and foreign["pickle.loads"]["s"] > 0
+    assert "target safe unpickle / pickle on DCP's own one-rank .metadata: worst" in run.stdout
     training = scale["training"]
     assert training["entries"] == 400
     for name, r in training["results"].items():  # the copy floor and three trainckpt modes
