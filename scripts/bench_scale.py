@@ -545,7 +545,7 @@ def bench_foreign(sizes: list[int], root: Path, sampled_s: float = 1.0) -> dict[
         row |= _alternated(
             {
                 "pickle.loads": lambda d=data: _paused_loads(d),
-                "safe unpickle": lambda d=data: load_dcp_metadata(d, f"{folder}/.metadata"),
+                "safe unpickle": lambda d=data, w=f"{folder}/.metadata": load_dcp_metadata(d, w),
             },
             sampled_s=sampled_s,
         )

@@ -135,6 +135,38 @@ def test_a_value_is_taken_for_a_left_out_field_only_if_it_is_the_marker_itself()
             allowed._check(_StorageInfo, records)
 
 
+def test_records_that_leave_a_defaulted_field_out_in_part_are_checked_column_by_column() -> None:
+    """DCP leaves `offset` out of the `MetadataIndex` of every entry that is not a tensor (an
+    optimizer's hyperparameters), so a real `.metadata` mixes records with and without it.
+    They take the check by columns (`_check_alike`) instead of the one record by record; a
+    wrong value where the field is held is still refused, by name."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from trainckpt.format.safe_unpickle.dcp_allow_list import allow_list
+    from trainckpt.format.safe_unpickle.refusal import Refused
+
+    allowed = allow_list()
+
+    def record(**fields: object) -> object:
+        r = object.__new__(MetadataIndex)
+        r.__dict__.update({"fqn": "optim.param_groups.0.lr", "index": None, **fields})
+        return r
+
+    mixed = [record(), record(offset=torch.Size([0, 0]), index=0)]
+    assert allowed._check_alike(MetadataIndex, [vars(r) for r in mixed])
+    allowed._check(MetadataIndex, mixed)
+    assert mixed[0].offset is None  # read as DCP's default: the record is left as it was
+    assert "offset" not in vars(mixed[0])
+    bad = [record(), record(offset="0,0")]
+    assert not allowed._check_alike(MetadataIndex, [vars(r) for r in bad])
+    with pytest.raises(Refused, match="MetadataIndex.offset of type"):
+        allowed._check(MetadataIndex, bad)
+    extra = [record(), record(offset=torch.Size([0]), other=1)]
+    assert not allowed._check_alike(MetadataIndex, [vars(r) for r in extra])
+    with pytest.raises(Refused, match=r"MetadataIndex with field\(s\) \['other'\]"):
+        allowed._check(MetadataIndex, extra)
+
+
 def test_a_field_an_older_writer_did_not_have_reads_as_its_default(metadata_bytes):
     """An older DCP pickled `_StorageInfo` without `transform_descriptors`, `StorageMeta`
     without `modules`: they read as DCP's defaults; an extra field is refused."""

@@ -28,7 +28,7 @@ import pathlib
 from collections import OrderedDict
 from collections.abc import Callable, Set
 from itertools import chain, compress, repeat
-from operator import attrgetter, is_, itemgetter, methodcaller
+from operator import attrgetter, is_, is_not, itemgetter, methodcaller, not_
 from types import MethodType
 from typing import Any, NamedTuple
 
@@ -229,9 +229,10 @@ class AllowList:
         values = list(entries.values())
         tensor, blob = md.TensorStorageMetadata, md.BytesStorageMetadata
         self._types("Metadata.state_dict_metadata values", values, {tensor, blob})
-        tensors = list(compress(values, map(is_, map(type, values), repeat(tensor))))
+        is_tensor = list(map(is_, map(type, values), repeat(tensor)))
+        tensors = list(compress(values, is_tensor))
         if len(tensors) < len(values):
-            self._check(md.BytesStorageMetadata, [v for v in values if type(v) is blob])
+            self._check(md.BytesStorageMetadata, list(compress(values, map(not_, is_tensor))))
         self._check(md.TensorStorageMetadata, tensors)
         self._check(md.TensorProperties, list(map(attrgetter("properties"), tensors)))
         chunks = list(chain.from_iterable(map(attrgetter("chunks"), tensors)))
@@ -258,25 +259,28 @@ class AllowList:
             self._check_each(cls, dicts)
 
     def _check_alike(self, cls: type, dicts: list[dict[Any, Any]]) -> bool:
-        """True if the records (their `dicts`) are good and alike, as DCP writes them: each
-        holds the same fields of `cls`, and leaves out only fields whose plain default is
-        good. False where that is not so (`_check_each` then decides, and names what is
-        wrong). The fewest steps per column, for the many small `.metadata` files too."""
-        held = 0  # fields every record holds
+        """True if the records (their `dicts`) are good, as DCP writes them: fields of `cls`
+        only, each of its kinds, and fields left out only where their plain default is good
+        (DCP leaves a `MetadataIndex`'s offset out of the records of non-tensors). False where
+        that is not so (`_check_each` then decides, and names what is wrong). The fewest steps
+        per column, for the many small `.metadata` files too."""
+        held = 0  # values of `cls`'s fields, over all records
         for c in self.columns[cls]:
             try:
                 column = list(map(c.get, dicts))
-            except KeyError:  # left out of some record: of every record, by the count below
+            except KeyError:  # left out of some records: checked where it is held
                 if not c.default_fits:
                     return False
-                continue
-            held += 1
+                column = c.read(dicts)
+                held_by = list(map(is_not, column, repeat(_ABSENT)))  # by identity: runs no code
+                column = list(compress(column, held_by)) if any(held_by) else []
+            held += len(column)
             if c.kinds is not None and not c.kinds.issuperset(map(type, column)):
                 return False
             if c.ok is not None and not c.ok(column):
                 raise Refused(f"{cls.__qualname__}.{c.name}: a value{c.why}")
-        # Each record holds at least the `held` fields: exactly those iff the keys add up.
-        return sum(map(len, dicts)) == held * len(dicts)
+        # A record's keys are distinct: they are all fields of `cls` iff the counts agree.
+        return sum(map(len, dicts)) == held
 
     def _check_each(self, cls: type, dicts: list[dict[Any, Any]]) -> None:
         """`_check` where records differ: fields left out of some records only, a default
