@@ -265,22 +265,36 @@ class AllowList:
         that is not so (`_check_each` then decides, and names what is wrong). The fewest steps
         per column, for the many small `.metadata` files too."""
         held = 0  # values of `cls`'s fields, over all records
+        left_out = []  # fields some record lacks: counted only if the keys do not add up
         for c in self.columns[cls]:
             try:
                 column = list(map(c.get, dicts))
-            except KeyError:  # left out of some records: checked where it is held
+            except KeyError:
                 if not c.default_fits:
                     return False
-                column = c.read(dicts)
-                held_by = list(map(is_not, column, repeat(_ABSENT)))  # by identity: runs no code
-                column = list(compress(column, held_by)) if any(held_by) else []
+                left_out.append(c)
+                continue
             held += len(column)
-            if c.kinds is not None and not c.kinds.issuperset(map(type, column)):
+            if not self._column_ok(cls, c, column):
                 return False
-            if c.ok is not None and not c.ok(column):
-                raise Refused(f"{cls.__qualname__}.{c.name}: a value{c.why}")
+        keys = sum(map(len, dicts))
+        for c in left_out if keys != held else ():  # held by some records: checked there
+            column = c.read(dicts)
+            column = list(compress(column, map(is_not, column, repeat(_ABSENT))))  # runs no code
+            held += len(column)
+            if not self._column_ok(cls, c, column):
+                return False
         # A record's keys are distinct: they are all fields of `cls` iff the counts agree.
-        return sum(map(len, dicts)) == held
+        return keys == held
+
+    def _column_ok(self, cls: type, c: _Column, column: list[Any]) -> bool:
+        """Whether the values `column` of field `c` are of its kinds; raises where a value
+        fails the field's own check."""
+        if c.kinds is not None and not c.kinds.issuperset(map(type, column)):
+            return False
+        if c.ok is not None and not c.ok(column):
+            raise Refused(f"{cls.__qualname__}.{c.name}: a value{c.why}")
+        return True
 
     def _check_each(self, cls: type, dicts: list[dict[Any, Any]]) -> None:
         """`_check` where records differ: fields left out of some records only, a default
