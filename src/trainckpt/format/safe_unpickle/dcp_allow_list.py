@@ -315,11 +315,9 @@ class AllowList:
             held += len(column) - absent
             if absent:  # a field left out: read as its plain default
                 column = [c.default if v is _ABSENT else v for v in column]
-            found = set(map(type, column))
-            if c.kinds is not None and found - c.kinds:
-                self._types(f"{cls.__qualname__}.{c.name}", column, c.kinds)
-            if c.ok is not None and not c.ok(column):
-                raise Refused(f"{cls.__qualname__}.{c.name}: a value{c.why}")
+            if not self._column_ok(cls, c, column):
+                assert c.kinds is not None  # only kinds make `_column_ok` false
+                self._types(f"{cls.__qualname__}.{c.name}", column, c.kinds)  # raises
         if keys != held:  # the records' other keys are fields `cls` lacks
             unknown = set(chain.from_iterable(dicts)) - self.fields[cls].keys()
             raise Refused(f"{cls.__qualname__} with field(s) {short(sorted(map(str, unknown)))}")
