@@ -949,32 +949,38 @@ def scale_targets(report: dict[str, Any]) -> list[str]:
             f"target simulated {top} ranks: rank 0 commit work {commit:.2f}s (want <= 2) -> "
             f"{'met' if commit <= 2 else 'NOT met'}"
         )
-        ratios = {
-            n: v["every rank: safe unpickle (.metadata)"]["s"]
-            / max(v["every rank: pickle.loads(.metadata)"]["s"], 1e-9)
-            for n, v in rows.items()
-        }
-        worst = max(ratios, key=ratios.__getitem__)
-        each = ", ".join(f"{n}: {x:.2f}" for n, x in ratios.items())
-        calls = "/".join(
-            str(v["every rank: safe unpickle (.metadata)"].get("rounds", 7)) for v in rows.values()
-        )
         out.append(
-            f"target safe unpickle / pickle at every simulated size: worst {ratios[worst]:.2f} "
-            f"at {worst} ranks ({each}; medians of {calls} alternated calls; want <= 1.5) -> "
-            f"{'met' if ratios[worst] <= 1.5 else 'NOT met'}"
+            _unpickle_target(
+                "at every simulated size",
+                "ranks",
+                rows,
+                "every rank: safe unpickle (.metadata)",
+                "every rank: pickle.loads(.metadata)",
+            )
         )
     foreign = report.get("foreign")
     if foreign:
-        ratios = {
-            n: v["safe unpickle"]["s"] / max(v["pickle.loads"]["s"], 1e-9)
-            for n, v in foreign.items()
-        }
-        worst = max(ratios, key=ratios.__getitem__)
-        each = ", ".join(f"{n}: {x:.2f}" for n, x in ratios.items())
         out.append(
-            f"target safe unpickle / pickle on DCP's own one-rank .metadata: worst "
-            f"{ratios[worst]:.2f} at {worst} entries ({each}; want <= 1.5) -> "
-            f"{'met' if ratios[worst] <= 1.5 else 'NOT met'}"
+            _unpickle_target(
+                "on DCP's own one-rank .metadata",
+                "entries",
+                foreign,
+                "safe unpickle",
+                "pickle.loads",
+            )
         )
     return out
+
+
+def _unpickle_target(where: str, unit: str, rows: dict[str, Any], safe: str, ref: str) -> str:
+    """The safe unpickler's target line over the sizes `rows` (each with the alternated
+    timings `safe` and `ref`): every size's ratio named, the worst judged."""
+    ratios = {n: v[safe]["s"] / max(v[ref]["s"], 1e-9) for n, v in rows.items()}
+    worst = max(ratios, key=ratios.__getitem__)
+    each = ", ".join(f"{n}: {x:.2f}" for n, x in ratios.items())
+    calls = "/".join(str(v[safe].get("rounds", 7)) for v in rows.values())
+    return (
+        f"target safe unpickle / pickle {where}: worst {ratios[worst]:.2f} at {worst} {unit} "
+        f"({each}; medians of {calls} alternated calls; want <= 1.5) -> "
+        f"{'met' if ratios[worst] <= 1.5 else 'NOT met'}"
+    )
