@@ -12,6 +12,8 @@ from trainckpt import CorruptCheckpointError
 from trainckpt.format import dcp_metadata, records
 from trainckpt.storage import resolve
 
+pytestmark = pytest.mark.usefixtures("record_steps")  # C and Python steps alike (conftest)
+
 FLOOR = 1 << 20
 
 

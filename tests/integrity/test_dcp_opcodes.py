@@ -20,6 +20,8 @@ from trainckpt import CorruptCheckpointError, UnsafeCheckpointError
 from trainckpt.errors import CheckpointError
 from trainckpt.format.safe_unpickle import load_dcp_metadata
 
+pytestmark = pytest.mark.usefixtures("record_steps")  # C and Python steps alike (conftest)
+
 DCP_MD = "torch.distributed.checkpoint.metadata"
 EMPTY_TUPLE, REDUCE, BUILD, NEWOBJ, OBJ, DUP = b")", b"R", b"b", b"\x81", b"o", b"2"
 

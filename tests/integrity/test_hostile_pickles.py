@@ -411,6 +411,7 @@ def _run(entry: str, ckpt: Path, base: Base, http_server: StaticHTTPServer, tmp:
         c.close()
 
 
+@pytest.mark.usefixtures("record_steps")  # C and Python steps alike (conftest)
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
 @pytest.mark.parametrize(("location", "name"), CASES)
 def test_hostile_pickle_runs_nothing(base, http_server, tmp_path, location, name, entry):
@@ -455,6 +456,7 @@ def test_the_installed_command_refuses_too(base, tmp_path, location, entry):
     assert not marker.exists()
 
 
+@pytest.mark.usefixtures("record_steps")
 def test_genuine_checkpoint_loads_through_every_entry_point(base, http_server, tmp_path):
     """The unplanted checkpoint loads everywhere: the refusals above are not of everything."""
     ckpt = base.run / base.step

@@ -17,6 +17,8 @@ from trainckpt import CheckpointerConfig, CorruptCheckpointError, UnsafeCheckpoi
 from trainckpt.errors import CheckpointError
 from trainckpt.format.safe_unpickle import load_dcp_metadata, load_torch_plain
 
+pytestmark = pytest.mark.usefixtures("record_steps")  # C and Python steps alike (conftest)
+
 
 @pytest.fixture(scope="module")
 def metadata_bytes(tmp_path_factory: pytest.TempPathFactory) -> bytes:
