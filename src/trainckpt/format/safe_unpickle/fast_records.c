@@ -181,14 +181,13 @@ plain(PyObject *module, PyObject *args)
     while (depth > 0 && answer == 1) {
         PyObject *v = stack[--depth];
         PyObject *kind = (PyObject *)Py_TYPE(v);
-        int in = PySet_Contains(containers, kind);
-        if (in == 0) {
-            in = PySet_Contains(leaves, kind);
-            answer = in < 0 ? -1 : in;
+        int in = PySet_Contains(leaves, kind); /* most values are leaves */
+        if (in == 0)
+            in = PySet_Contains(containers, kind);
+        else if (in > 0)
             continue;
-        }
-        if (in < 0) {
-            answer = -1;
+        if (in <= 0) {
+            answer = in;
             break;
         }
         Py_ssize_t n; /* items to stack */
