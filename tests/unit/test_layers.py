@@ -75,7 +75,7 @@ def imported_modules(path: Path) -> list[tuple[int, str]]:
     return [(line, m.removeprefix("trainckpt").lstrip(".")) for line, m in found]
 
 
-SOURCES = sorted(PACKAGE.rglob("*.py"))
+SOURCES = sorted([*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.pyi")])  # .pyi: a compiled module
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: module_name(p) or "__init__")

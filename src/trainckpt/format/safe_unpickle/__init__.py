@@ -10,7 +10,7 @@ executed. One module per kind of pickle it loads (`docs/trust.md`):
 - `dcp_metadata`: DCP's `.metadata`, `load_dcp_metadata`: CPython's C unpickler, whose
   globals are an exact table of fully qualified names (`dcp_allow_list`): makers of DCP's
   records, whose every field is checked after the load, and immutable or checking
-  constructors.
+  constructors; the steps run once per record are in C where built (`fast_records.c`).
 
 Every refusal is an `UnsafeCheckpointError`; a damaged file (a torn zip, a truncated pickle) is a
 `CorruptCheckpointError`. Both name the file.

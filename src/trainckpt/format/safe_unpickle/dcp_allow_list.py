@@ -18,6 +18,11 @@ data (numbers, text, bytes, tuples, lists, dicts, sets) came from `find_class`, 
   C-speed set operations, storage paths inside the folder), so a record is checked as it
   finally stands, however often the pickle rebuilt it. The one field of free data,
   `planner_data`, must hold plain data only, so no record is left unchecked.
+
+The steps that run once per record (a maker's `__new__`, the column check, the walk of
+`planner_data`) run in C where the install built `fast_records.c`: it only ever answers "as
+DCP writes it" or "plain data"; anything else goes to the Python steps here, which decide and
+name the refusal, and which run alone where the C steps were not built.
 """
 
 from __future__ import annotations
