@@ -1,8 +1,8 @@
-/* The two per-record steps of reading DCP's `.metadata` safely (dcp_allow_list.py), in C:
- * a 16,000-entry file holds about half a million records, and in Python these two steps cost
- * more than the unpickling itself (docs/scale.md). Optional: where this module is not built,
- * dcp_allow_list.py does the same in Python, and the tests run every crafted pickle through
- * both (tests/integrity/conftest.py).
+/* The steps of reading DCP's `.metadata` safely (dcp_allow_list.py) that run once per record
+ * or value, in C: a 16,000-entry file holds about half a million records, and in Python these
+ * steps cost nearly as much as the unpickling itself (docs/scale.md). Optional: where this
+ * module is not built, dcp_allow_list.py does the same in Python, and the tests run every
+ * crafted pickle through both (tests/integrity/conftest.py).
  *
  * - `RecordBase`: the base of a record maker. NEWOBJ (and INST or OBJ without arguments)
  *   calls its `tp_new`, which makes a bare record of the DCP class `bind` gave the maker, by
@@ -13,6 +13,8 @@
  *   fields (each present unless optional) and each value is of exactly one of its field's
  *   kinds. It only reads: it calls nothing of the records, and answers None wherever anything
  *   differs, so that the Python check decides and names the problem.
+ * - `plain`: whether `planner_data` is plain data within its budget; on False the Python walk
+ *   names the problem.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
