@@ -11,22 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 from support.hostile import Calls, shell, torch_save_bytes
-from support.models import make_module
 
-from trainckpt import CheckpointerConfig, CorruptCheckpointError, UnsafeCheckpointError
+from trainckpt import CorruptCheckpointError, UnsafeCheckpointError
 from trainckpt.errors import CheckpointError
 from trainckpt.format.safe_unpickle import load_dcp_metadata, load_torch_plain
 
 pytestmark = pytest.mark.usefixtures("record_steps")  # C and Python steps alike (conftest)
-
-
-@pytest.fixture(scope="module")
-def metadata_bytes(tmp_path_factory: pytest.TempPathFactory) -> bytes:
-    root = tmp_path_factory.mktemp("md")
-    c = CheckpointerConfig(work_dir=root / "work").build()
-    ckpt = Path(c.save(root / "run" / "step1", make_module(), {"step": 1}))
-    c.close()
-    return (ckpt / "model_and_optim" / ".metadata").read_bytes()
 
 
 @pytest.mark.parametrize("protocol", [2, 3, 4, 5])

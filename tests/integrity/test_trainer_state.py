@@ -181,15 +181,6 @@ RUNS_WHEN_TRUSTED = {
 }
 
 
-@pytest.fixture(scope="module")
-def saved_once(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("numpy-saved")
-    c = CheckpointerConfig(work_dir=root / "work").build()
-    path = Path(c.save(root / "run" / "step2", make_module(), {"step": 2}))
-    c.close()
-    return path
-
-
 @pytest.mark.parametrize("name", HOSTILE_NUMPY)
 def test_hostile_numpy_pickle_in_trainer_state_runs_nothing(ckpt, tmp_path, saved_once, name):
     if name in RUNS_WHEN_TRUSTED:  # the payload is live: an unsafe loader does run it
