@@ -246,6 +246,9 @@ def test_loads_on_many_threads_at_once_share_nothing():
         b"(]" + DUP * 400_000 + b"t",  # one list, many references (DUP)
         b"]q\x00(" + b"h\x00" * 200_000 + b"e",  # memo references appended (BINGET, APPENDS)
         b"N" + b"2\x86" * 60,  # pairs of the pair before (DUP, TUPLE2): 2**60 leaves to walk
+        b"Nr" + (1 << 24).to_bytes(4, "little"),  # LONG_BINPUT far out: a memo of 2**25 slots
+        b"Np16777216\n",  # PUT far out, as text
+        b"\x95" + (7).to_bytes(8, "little") + b"Nr\xff\xff\xff\x00",  # in a frame (with STOP)
     ],
 )
 def test_amplification_bombs_stay_within_a_memory_bound(bomb):
@@ -299,3 +302,25 @@ def test_every_admitted_argument_form_reads_as_pickle_does():
         data = pickle.dumps(Metadata({}, planner_data=value), protocol=protocol)
         assert load_dcp_metadata(data, "md").planner_data == pickle.loads(data).planner_data
         assert pickle.loads(data).planner_data == value
+
+
+@pytest.mark.parametrize("index", [1 << 24, 1 << 25])
+def test_a_memo_index_past_the_file_is_refused_before_the_unpickler_runs(index):
+    """CPython's unpickler grows its memo to twice an index at once (16 bytes per index): a
+    12-byte file naming memo slot 2**31 would take 32 GB and the job with it (indices of
+    2**24 and 2**25 here, so that a broken check fails this test, not the machine). Refused
+    unread, whatever the protocol and however the index is written; a real file's indices
+    pass (every protocol: test_safe_unpickle)."""
+    for data in (
+        program(b"Nr" + index.to_bytes(4, "little"), protocol=2),
+        program(b"Np" + str(index).encode() + b"\n", protocol=0),
+        program(b"Np" + str(index).encode() + b"\n", protocol=4),
+    ):
+        tracemalloc.start()
+        try:
+            with pytest.raises(UnsafeCheckpointError, match="memo index at byte"):
+                load_dcp_metadata(data, "md")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 1 << 20, peak

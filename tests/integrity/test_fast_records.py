@@ -221,3 +221,38 @@ def test_check_records_refuses_ill_formed_field_tables() -> None:
         fast.check_records([], object, ("a",), (), (False,), (False,))
     with pytest.raises(TypeError, match="a field's name"):
         fast.check_records([], object, ("a",), ({int},), (False,), (False,))  # type: ignore[arg-type]
+
+
+def test_the_memo_walk_agrees_with_the_python_one(metadata: Any) -> None:
+    """Seeded: real `.metadata` pickles of protocols 0, 2 and 4, damaged (bytes flipped,
+    inserted, deleted, opcodes that memoize far out spliced in), walked by both at limits
+    below, at and past their size: the same first offending opcode, or none, every time."""
+    assert fast is not None
+    from trainckpt.format.safe_unpickle.dcp_metadata import _ARG_KINDS, memo_beyond
+
+    sources = [pickle.dumps(metadata, protocol=p) for p in (0, 2, 4)]
+    for data in sources:  # the real files: nothing far out, and both see the same indices
+        assert fast.memo_beyond(data, _ARG_KINDS, len(data)) == -1
+        assert fast.memo_beyond(data, _ARG_KINDS, 3) == memo_beyond(data, _ARG_KINDS, 3)
+    splices = [b"r", b"p", b"p99999999\n", b"r\xff\xff\xff\x7f", b"\x95", b"c", b"p-1\n"]
+    rng = random.Random(26)
+    found = 0
+    for _ in range(3000):
+        damaged = bytearray(rng.choice(sources)[:20_000])  # the walk is per byte: a prefix
+        for _ in range(rng.randint(1, 6)):
+            i = rng.randrange(len(damaged))
+            how = rng.choice(["flip", "insert", "delete", "splice"])
+            if how == "flip":
+                damaged[i] ^= 1 << rng.randrange(8)
+            elif how == "insert":
+                damaged.insert(i, rng.randrange(256))
+            elif how == "splice":
+                damaged[i:i] = rng.choice(splices)
+            else:
+                del damaged[i]
+        data = bytes(damaged)
+        limit = rng.choice([len(data), 10, 1000])
+        at = fast.memo_beyond(data, _ARG_KINDS, limit)
+        assert at == memo_beyond(data, _ARG_KINDS, limit), data
+        found += at >= 0
+    assert 300 < found < 2700, found  # both kinds of answer, many times

@@ -34,7 +34,7 @@ import pathlib
 from collections import OrderedDict
 from collections.abc import Callable, Set
 from itertools import chain, compress, repeat
-from operator import attrgetter, is_, is_not, itemgetter, methodcaller, not_
+from operator import attrgetter, is_, is_not, itemgetter, methodcaller, not_, or_
 from types import MethodType, ModuleType
 from typing import Any, NamedTuple
 
@@ -250,39 +250,61 @@ class AllowList:
         self._check(md.Metadata, [metadata])
         entries = metadata.state_dict_metadata
         self._types("Metadata.state_dict_metadata keys", entries, {str})
-        values = list(entries.values())
-        tensor, blob = md.TensorStorageMetadata, md.BytesStorageMetadata
-        self._types("Metadata.state_dict_metadata values", values, {tensor, blob})
-        is_tensor = list(map(is_, map(type, values), repeat(tensor)))
-        tensors = list(compress(values, is_tensor))
-        if len(tensors) < len(values):
-            self._check(md.BytesStorageMetadata, list(compress(values, map(not_, is_tensor))))
-        self._check(md.TensorStorageMetadata, tensors)
-        self._check(md.TensorProperties, list(map(attrgetter("properties"), tensors)))
-        chunks = list(chain.from_iterable(map(attrgetter("chunks"), tensors)))
-        self._check(md.ChunkStorageMetadata, chunks)
+        tensors, blobs = self._by_class(
+            "Metadata.state_dict_metadata values",
+            list(entries.values()),
+            (md.TensorStorageMetadata, md.BytesStorageMetadata),
+        )
+        if blobs:
+            self._check(md.BytesStorageMetadata, blobs)
+        properties, chunk_lists = self._check(
+            md.TensorStorageMetadata, tensors, ("properties", "chunks")
+        )
+        self._check(md.TensorProperties, properties)
+        self._check(md.ChunkStorageMetadata, list(chain.from_iterable(chunk_lists)))
         if metadata.storage_data is not None:
             self._check(md.MetadataIndex, list(metadata.storage_data))
             self._check(fs._StorageInfo, list(metadata.storage_data.values()))
         if metadata.storage_meta is not None:
             self._check(md.StorageMeta, [metadata.storage_meta])
 
+    def _by_class(self, what: str, values: list[Any], classes: tuple[type, type]) -> list[Any]:
+        """`values` parted by their exact class: a list per class of `classes` (refused if a
+        value is of neither; `what` names them)."""
+        if self.fast is not None:
+            parts = self.fast.by_class(values, classes)
+            if parts is not None:
+                return list(parts)
+        self._types(what, values, set(classes))
+        is_first = list(map(is_, map(type, values), repeat(classes[0])))
+        return [list(compress(values, is_first)), list(compress(values, map(not_, is_first)))]
+
     def _types(self, what: str, values: Any, kinds: Set[Any]) -> None:
         found = set(map(type, values))
         if not found <= kinds:
             raise Refused(f"{what} of type {short(sorted(t.__qualname__ for t in found - kinds))}")
 
-    def _check(self, cls: type, records: list[Any]) -> None:
-        """Check the records `records` of DCP's class `cls`, column by column. A field an
-        older writer did not have (or DCP's `_StorageInfo` left out, being None) reads as its
-        default, as in DCP."""
+    def _check(self, cls: type, records: list[Any], keep: tuple[str, ...] = ()) -> list[Any]:
+        """Check the records `records` of DCP's class `cls`, column by column, and return the
+        columns of the (required) fields `keep`: the records they hold, checked next. A field
+        an older writer did not have (or DCP's `_StorageInfo` left out, being None) reads as
+        its default, as in DCP."""
         if self.fast is not None:
-            kept = self.fast.check_records(records, cls, *self.fast_columns[cls])
+            names, kinds, optional, checked = self.fast_columns[cls]
+            wanted = tuple(map(keep.__contains__, names))
+            kept = self.fast.check_records(
+                records, cls, names, kinds, optional, tuple(map(or_, checked, wanted))
+            )
             if kept is not None:  # as DCP writes them: each field's own check remains
                 for c, column in zip(self.columns[cls], kept, strict=True):
                     if c.ok is not None and not c.ok(column):
                         raise Refused(f"{cls.__qualname__}.{c.name}: a value{c.why}")
-                return
+                return [column for column, w in zip(kept, wanted, strict=True) if w]
+        self._check_python(cls, records)
+        return [list(map(attrgetter(name), records)) for name in keep]
+
+    def _check_python(self, cls: type, records: list[Any]) -> None:
+        """`_check` without the C steps (and where they found records unlike DCP's)."""
         if set(map(type, records)) - {cls}:
             self._types(f"a {cls.__qualname__} record", records, {cls})
         dicts: list[dict[Any, Any]] = list(map(vars, records))  # type: ignore[arg-type]

@@ -10,6 +10,11 @@ unpickler can reach is closed here:
   anything, the pickle's opcodes are scanned first and one naming an extension code is refused;
   with both empty (as Python starts), an extension code is an error of the unpickler.
 
+- memo indices (PUT, LONG_BINPUT): the unpickler grows its memo to twice an index at once, 16
+  bytes per index, so a 12-byte file could make it take tens of GB. Every index at or past the
+  file's size (more than any pickle of that size can memoize) is refused by a walk of the
+  opcodes first (`memo_beyond`).
+
 Everything else the C unpickler does builds data only: its memory is at most a constant times
 the file's size (the file is bounded, `records.dcp_metadata_bound`), and it keeps no recursion
 (deep nesting costs no stack).
@@ -62,6 +67,76 @@ def _refuse_extension_codes(data: bytes) -> None:
             raise Refused(f"opcode {op.name} at byte {pos} (an extension code of copyreg)")
 
 
+_STOP, _UNKNOWN, _TWO_LINES = -7, -8, -6  # argument kinds of `_ARG_KINDS` (fast_records.c)
+
+
+def _arg_kinds() -> tuple[int, ...]:
+    """For each opcode byte, how its argument is laid out (pickletools' table): n >= 0 bytes,
+    a line (-1), a length of 1, 4 (signed), 4 or 8 bytes then the data (-2 to -5), two lines
+    (GLOBAL, INST), STOP, or not an opcode."""
+    kinds = [_UNKNOWN] * 256
+    for op in pickletools.opcodes:
+        arg = op.arg
+        kind = 0 if arg is None else arg.n
+        if arg is not None and arg.name == "stringnl_noescape_pair":
+            kind = _TWO_LINES
+        kinds[ord(op.code.encode("latin-1"))] = _STOP if op.name == "STOP" else kind
+    return tuple(kinds)
+
+
+_ARG_KINDS = _arg_kinds()
+
+
+def memo_beyond(data: bytes, kinds: tuple[int, ...], limit: int) -> int:
+    """The offset of the first PUT or LONG_BINPUT before STOP whose memo index is `limit` or
+    more, else -1: the reference of `fast_records.memo_beyond` (the same walk, a few times
+    slower). The walk ends where the unpickler would stop reading."""
+    at, size = 0, len(data)
+    while at < size:
+        start, arg, op = at, at + 1, data[at]
+        kind = kinds[op]
+        if kind in (_STOP, _UNKNOWN):
+            return -1
+        if kind >= 0:
+            at = arg + kind
+        elif kind in (-1, _TWO_LINES):
+            at = data.find(b"\n", arg) + 1
+            if at and kind == _TWO_LINES:
+                at = data.find(b"\n", at) + 1
+            if not at:
+                return -1
+        else:  # a length, then as many bytes
+            width = {-2: 1, -3: 4, -4: 4, -5: 8}[kind]
+            n = int.from_bytes(data[arg : arg + width], "little")
+            if arg + width > size or (kind == -3 and n >= 1 << 31) or n > size - arg - width:
+                return -1
+            at = arg + width + n
+        if at > size:
+            return -1
+        if op == 0x72 and kind == 4:  # LONG_BINPUT
+            if int.from_bytes(data[arg : arg + 4], "little") >= limit:
+                return start
+        elif op == 0x70 and kind == -1:  # PUT, its line read as CPython reads it
+            try:
+                index = int(data[arg:at].split(b"\0", 1)[0])
+            except ValueError:
+                return -1
+            if index >= limit:
+                return start
+    return -1
+
+
+def _refuse_far_memo(data: bytes, fast: Any) -> None:
+    """Refuse a memo index at or past the file's size (see the module)."""
+    walk = memo_beyond if fast is None else fast.memo_beyond
+    at = walk(data, _ARG_KINDS, len(data))
+    if at >= 0:
+        raise Refused(
+            f"a memo index at byte {at} past the file's size (the unpickler would take memory "
+            "out of all proportion to the file)"
+        )
+
+
 def load_dcp_metadata(data: bytes, where: str) -> Metadata:
     """The `Metadata` DCP pickled into its `.metadata` file `where`: DCP's records (each field
     checked), torch sizes/dtypes/layouts/devices and plain containers. Raises
@@ -72,6 +147,7 @@ def load_dcp_metadata(data: bytes, where: str) -> Metadata:
     try:
         _refuse_extension_codes(data)
         allowed = allow_list()
+        _refuse_far_memo(data, allowed.fast)
         result = _Unpickler(data, allowed).load()
         allowed.check(result, len(data))
         return result

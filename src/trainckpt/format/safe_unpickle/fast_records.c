@@ -13,8 +13,12 @@
  *   fields (each present unless optional) and each value is of exactly one of its field's
  *   kinds. It only reads: it calls nothing of the records, and answers None wherever anything
  *   differs, so that the Python check decides and names the problem.
+ * - `by_class`: a list parted by the exact classes of its values (a None answer: the Python
+ *   check names the odd one).
  * - `plain`: whether `planner_data` is plain data within its budget; on False the Python walk
  *   names the problem.
+ * - `memo_beyond`: the walk of the opcodes that refuses a memo index out of proportion to the
+ *   file (dcp_metadata.py), before the unpickler runs.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -160,6 +164,44 @@ error:
     return NULL;
 }
 
+/* by_class(values, classes) -> a tuple of lists, or None: `values` (a list) parted by their
+ * exact class, one list per class of `classes` (a tuple), in order; None if a value is of
+ * none of them. */
+static PyObject *
+by_class(PyObject *module, PyObject *args)
+{
+    PyObject *values, *classes;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &values, &PyTuple_Type, &classes))
+        return NULL;
+    Py_ssize_t k = PyTuple_GET_SIZE(classes);
+    PyObject *out = PyTuple_New(k);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        PyObject *part = PyList_New(0);
+        if (part == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, j, part);
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(values); i++) {
+        PyObject *value = PyList_GET_ITEM(values, i);
+        Py_ssize_t j = 0;
+        while (j < k && (PyObject *)Py_TYPE(value) != PyTuple_GET_ITEM(classes, j))
+            j++;
+        if (j == k) {
+            Py_DECREF(out);
+            Py_RETURN_NONE;
+        }
+        if (PyList_Append(PyTuple_GET_ITEM(out, j), value) < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    return out;
+}
+
 /* plain(value, budget, leaves, containers) -> bool: whether `value` is plain data as
  * `_plain_data_problem` counts it: values whose exact type is in `leaves`, nested in values
  * whose exact type is in `containers` (dicts and OrderedDicts: their keys and values; lists,
@@ -255,12 +297,128 @@ plain(PyObject *module, PyObject *args)
     return PyBool_FromLong(answer);
 }
 
+/* memo_beyond(data, kinds, limit) -> int: the offset of the first PUT or LONG_BINPUT before
+ * STOP whose memo index is `limit` or more, else -1. `kinds` (dcp_metadata._ARG_KINDS) gives,
+ * for each opcode byte, how its argument is laid out: n >= 0 bytes, or ARG_* below. The walk
+ * stops where the unpickler would stop reading (STOP, an unknown opcode, a truncated or
+ * malformed argument): what lies past it is never unpickled. Reads `data` only. */
+enum { ARG_LINE = -1, ARG_LEN1 = -2, ARG_LEN4 = -3, ARG_LEN4U = -4, ARG_LEN8U = -5,
+       ARG_TWO_LINES = -6, ARG_STOP = -7, ARG_UNKNOWN = -8 };
+
+static Py_ssize_t
+line_end(const char *data, Py_ssize_t at, Py_ssize_t size) /* after its newline, or -1 */
+{
+    const char *nl = at < size ? memchr(data + at, '\n', (size_t)(size - at)) : NULL;
+    return nl == NULL ? -1 : (nl - data) + 1;
+}
+
+static PyObject *
+memo_beyond(PyObject *module, PyObject *args)
+{
+    Py_buffer view;
+    PyObject *kinds;
+    Py_ssize_t limit;
+    if (!PyArg_ParseTuple(args, "y*O!n", &view, &PyTuple_Type, &kinds, &limit))
+        return NULL;
+    if (PyTuple_GET_SIZE(kinds) != 256) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "memo_beyond: one kind per opcode byte");
+        return NULL;
+    }
+    signed char kind_of[256];
+    for (int op = 0; op < 256; op++) {
+        long k = PyLong_AsLong(PyTuple_GET_ITEM(kinds, op));
+        if ((k == -1 && PyErr_Occurred()) || k < ARG_UNKNOWN || k > 8) {
+            PyBuffer_Release(&view);
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "memo_beyond: an argument kind");
+            return NULL;
+        }
+        kind_of[op] = (signed char)k;
+    }
+    const char *data = view.buf;
+    const unsigned char *bytes = view.buf;
+    Py_ssize_t size = view.len, at = 0, found = -1;
+    while (at < size) {
+        Py_ssize_t start = at, arg = at + 1, next;
+        unsigned char op = bytes[at];
+        int kind = kind_of[op];
+        if (kind >= 0) { /* most opcodes: a fixed argument (MEMOIZE, BININT1, TUPLE2, ...) */
+            next = arg + kind;
+            if (next > size)
+                break;
+            if (op == 'r' && kind == 4) { /* LONG_BINPUT: a 4-byte unsigned index */
+                unsigned long long index = (unsigned long long)bytes[arg] |
+                                           (unsigned long long)bytes[arg + 1] << 8 |
+                                           (unsigned long long)bytes[arg + 2] << 16 |
+                                           (unsigned long long)bytes[arg + 3] << 24;
+                if (index >= (unsigned long long)limit) {
+                    found = start;
+                    break;
+                }
+            }
+            at = next;
+            continue;
+        }
+        if (kind == ARG_STOP || kind == ARG_UNKNOWN)
+            break;
+        if (kind == ARG_LINE || kind == ARG_TWO_LINES) {
+            next = line_end(data, arg, size);
+            if (next >= 0 && kind == ARG_TWO_LINES)
+                next = line_end(data, next, size);
+            if (next < 0)
+                break;
+        } else { /* a length, then as many bytes */
+            int width = kind == ARG_LEN1 ? 1 : kind == ARG_LEN8U ? 8 : 4;
+            if (arg + width > size)
+                break;
+            unsigned long long n = 0;
+            for (int i = width - 1; i >= 0; i--)
+                n = (n << 8) | bytes[arg + i];
+            if ((kind == ARG_LEN4 && n >= 0x80000000ULL) ||
+                n > (unsigned long long)(size - arg - width))
+                break; /* negative or past the end: the unpickler stops here */
+            next = arg + width + (Py_ssize_t)n;
+        }
+        if (op == 'p' && kind == ARG_LINE) { /* PUT: a decimal index, as CPython reads it */
+            PyObject *line = PyBytes_FromStringAndSize(data + arg, next - arg);
+            if (line == NULL) {
+                PyBuffer_Release(&view);
+                return NULL;
+            }
+            PyObject *index = PyLong_FromString(PyBytes_AS_STRING(line), NULL, 10);
+            Py_DECREF(line);
+            if (index == NULL) {
+                PyErr_Clear(); /* not a number: the unpickler stops here */
+                break;
+            }
+            Py_ssize_t i = PyLong_AsSsize_t(index);
+            Py_DECREF(index);
+            if (i == -1 && PyErr_Occurred())
+                PyErr_Clear(); /* past any size */
+            else if (i < limit) {
+                at = next;
+                continue;
+            }
+            found = start;
+            break;
+        }
+        at = next;
+    }
+    PyBuffer_Release(&view);
+    return PyLong_FromSsize_t(found);
+}
+
 static PyMethodDef methods[] = {
     {"bind", bind, METH_VARARGS, "bind(maker, record): NEWOBJ on maker makes a bare record."},
     {"check_records", check_records, METH_VARARGS,
      "check_records(records, cls, names, kinds, optional, keep): the kept columns, or None."},
+    {"by_class", by_class, METH_VARARGS,
+     "by_class(values, classes): the values parted by exact class, or None."},
     {"plain", plain, METH_VARARGS,
      "plain(value, budget, leaves, containers): whether value is plain data within budget."},
+    {"memo_beyond", memo_beyond, METH_VARARGS,
+     "memo_beyond(data, kinds, limit): where a memo index reaches limit, else -1."},
     {NULL, NULL, 0, NULL},
 };
 
