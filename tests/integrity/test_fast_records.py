@@ -2,7 +2,8 @@
 do: the install built them; crafted records, seeded at random over every record class, end
 in the same read or the same refusal by both; the plain-data walk agrees with the Python one
 on trees, shared and self-nesting containers and budgets to the value, without a C stack of
-its depth; the record makers make bare records of DCP's classes only and refuse the rest."""
+its depth; the walk of the opcodes for memo indices finds what the Python walk finds; the
+record makers make bare records of DCP's classes only and refuse the rest."""
 
 from __future__ import annotations
 
