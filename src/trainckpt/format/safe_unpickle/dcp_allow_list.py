@@ -20,9 +20,10 @@ data (numbers, text, bytes, tuples, lists, dicts, sets) came from `find_class`, 
   `planner_data`, must hold plain data only, so no record is left unchecked.
 
 The steps that run once per record (a maker's `__new__`, parting the entries by class, the
-column check, the walk of `planner_data`) run in C where the install built `fast_records.c`: it only ever answers "as
-DCP writes it" or "plain data"; anything else goes to the Python steps here, which decide and
-name the refusal, and which run alone where the C steps were not built.
+column check, the walk of `planner_data`) run in C where the install built `fast_records.c`:
+it only ever answers "as DCP writes it" or "plain data"; anything else goes to the Python
+steps here, which decide and name the refusal, and which run alone where the C steps were not
+built.
 """
 
 from __future__ import annotations
