@@ -67,7 +67,11 @@ def _refuse_extension_codes(data: bytes) -> None:
             raise Refused(f"opcode {op.name} at byte {pos} (an extension code of copyreg)")
 
 
-_STOP, _UNKNOWN, _TWO_LINES = -7, -8, -6  # argument kinds of `_ARG_KINDS` (fast_records.c)
+# Argument kinds of `_ARG_KINDS` besides n >= 0 bytes (the same numbers as fast_records.c's
+# ARG_*): a line, a length of 1, 4 (signed), 4 or 8 bytes then as many bytes, two lines.
+_LINE, _TWO_LINES, _STOP, _UNKNOWN = -1, -6, -7, -8
+_LENGTH_BYTES = {-2: 1, -3: 4, -4: 4, -5: 8}
+_SIGNED_LENGTH = -3
 
 
 def _arg_kinds() -> tuple[int, ...]:
@@ -99,16 +103,17 @@ def memo_beyond(data: bytes, kinds: tuple[int, ...], limit: int) -> int:
             return -1
         if kind >= 0:
             at = arg + kind
-        elif kind in (-1, _TWO_LINES):
+        elif kind in (_LINE, _TWO_LINES):
             at = data.find(b"\n", arg) + 1
             if at and kind == _TWO_LINES:
                 at = data.find(b"\n", at) + 1
             if not at:
                 return -1
         else:  # a length, then as many bytes
-            width = {-2: 1, -3: 4, -4: 4, -5: 8}[kind]
+            width = _LENGTH_BYTES[kind]
             n = int.from_bytes(data[arg : arg + width], "little")
-            if arg + width > size or (kind == -3 and n >= 1 << 31) or n > size - arg - width:
+            too_long = (kind == _SIGNED_LENGTH and n >= 1 << 31) or n > size - arg - width
+            if arg + width > size or too_long:
                 return -1
             at = arg + width + n
         if at > size:
@@ -116,7 +121,7 @@ def memo_beyond(data: bytes, kinds: tuple[int, ...], limit: int) -> int:
         if op == 0x72 and kind == 4:  # LONG_BINPUT
             if int.from_bytes(data[arg : arg + 4], "little") >= limit:
                 return start
-        elif op == 0x70 and kind == -1:  # PUT, its line read as CPython reads it
+        elif op == 0x70 and kind == _LINE:  # PUT, its line read as CPython reads it
             try:
                 index = int(data[arg:at].split(b"\0", 1)[0])
             except ValueError:
