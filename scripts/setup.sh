@@ -12,7 +12,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.trainckpt-installed
-want=$(cat pyproject.toml scripts/setup.sh src/trainckpt/format/safe_unpickle/*.c | sha1sum | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/setup.sh src/trainckpt/format/*.c src/trainckpt/format/safe_unpickle/*.c | sha1sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   start=$SECONDS
   say "installing into .venv (first run: about 1 GB of downloads, typically 2-5 minutes;"

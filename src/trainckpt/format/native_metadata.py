@@ -54,6 +54,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from pathlib import Path, PurePosixPath
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -76,6 +77,13 @@ from torch.distributed.checkpoint.resharding import (
 )
 
 from trainckpt.errors import CorruptCheckpointError
+
+_built: ModuleType | None
+try:  # the per-entry column steps in C (native_columns.c), where the install could build them
+    from trainckpt.format import native_columns as _built
+except ImportError:  # pragma: no cover - every install CI makes has a C compiler
+    _built = None
+compiled = _built  # what `decode` uses (tests set None to run the Python steps)
 
 MAGIC = b"TCKPTMD1"
 VERSION = 2
@@ -433,10 +441,18 @@ class _Decoder:
         # The fast ones leave the storage keys to be looked up in the table (`_Storage`).
         pieces: dict[str, _StorageInfo] | None = {}
         parts: list[_StoragePart] = []
-        if not _fast_tensors(h["tensors"], table, files, entries, pieces, parts):
+        start = _PREFIX + head_len
+        raw_table = memoryview(data)[start : start + 8 * count]
+        if not (
+            _compiled_tensors(h["tensors"], raw_table, table, files, entries, pieces, parts)
+            or _fast_tensors(h["tensors"], table, files, entries, pieces, parts)
+        ):
             self.tensors(h["tensors"], table.tolist(), files, entries, storage)
             pieces = None
-        if not _fast_byte_values(h["bytes"], files, entries, pieces, parts):
+        if not (
+            _compiled_byte_values(h["bytes"], files, entries, pieces, parts)
+            or _fast_byte_values(h["bytes"], files, entries, pieces, parts)
+        ):
             self.byte_values(h["bytes"], files, entries, storage)
             pieces = None
         planner_data = None
@@ -1012,6 +1028,58 @@ class _Storage(Mapping[MetadataIndex, _StorageInfo]):
 
     def __reduce__(self) -> Any:
         return (dict, (dict(self.items()),))
+
+
+def _compiled_tensors(
+    records: Any,
+    raw_table: memoryview,
+    table: torch.Tensor,
+    files: list[str],
+    entries: dict[str, Any],
+    pieces: dict[str, _StorageInfo] | None,
+    parts: list[_StoragePart],
+) -> bool:
+    """`_fast_tensors` in C (`native_columns.tensors`, reading the table's bytes in place), for
+    tensors of at most `LAZY_CHUNKS` chunks each; False (nothing added) where not built or in
+    doubt."""
+    fast = compiled
+    if fast is None or type(records) is not list or type(files) is not list:
+        return False
+    classes = (TensorProperties, ChunkStorageMetadata, TensorStorageMetadata, _StorageInfo)
+    made = fast.tensors(
+        records, raw_table, files, _DTYPES, entries, LAZY_CHUNKS, MAX_NDIM, (*classes, torch.Size)
+    )
+    if made is None:
+        return False
+    built, single, fqns, counts, ndims = made
+    entries.update(built)
+    if pieces is not None:
+        pieces.update(single)
+    parts.append(_ChunkTable(table, files, fqns, counts, ndims, None))
+    return True
+
+
+def _compiled_byte_values(
+    records: Any,
+    files: list[str],
+    entries: dict[str, Any],
+    pieces: dict[str, _StorageInfo] | None,
+    parts: list[_StoragePart],
+) -> bool:
+    """`_fast_byte_values` in C (`native_columns.byte_values`); False (nothing added) where
+    not built or in doubt."""
+    fast = compiled
+    if fast is None or type(records) is not list or type(files) is not list:
+        return False
+    made = fast.byte_values(records, files, entries, _StorageInfo)
+    if made is None:
+        return False
+    infos, hints = made
+    if pieces is not None:
+        pieces.update(infos)
+    entries.update(zip(infos, repeat(_BYTES_ENTRY)))
+    parts.append(_ByteValues(infos, hints))
+    return True
 
 
 def _fast_tensors(

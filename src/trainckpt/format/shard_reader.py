@@ -30,6 +30,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
+from itertools import repeat
 from typing import IO, Any, TypeVar, cast
 
 import google_crc32c
@@ -61,7 +62,7 @@ _SMALL_CRC = 2**20
 _CHECKED_COUNT = 4096
 _CHECKED_BYTES = 4096
 
-_Work = tuple[_StorageInfo, ReadItem]
+_Work = tuple[_StorageInfo, ReadItem]  # or a direct item: (name, tensor), (names, None)
 _T = TypeVar("_T")
 
 
@@ -126,8 +127,11 @@ class ParallelReader(FileSystemReader):
     def _direct_work(self, planner: LoadPlanner) -> list[_Work]:
         """The planner's `direct_items` (entries loaded whole, planned without read items:
         `core/dcp.py`), each with its stored piece, found by name (an entry there has one
-        piece). Items that are not checked item by item, or that a storage extension
-        transformed, get their read item from the planner and are loaded DCP's way."""
+        piece). Byte values stored at one place (one `_StorageInfo`: an optimizer's tens of
+        thousands of equal hyperparameters) are one piece of work, `(their names, None)`: read
+        and checked once, not sorted and walked one by one. Items that are not checked item by
+        item, or that a storage extension transformed, get their read item from the planner
+        and are loaded DCP's way."""
         direct: list[tuple[str, torch.Tensor | None]] = getattr(planner, "direct_items", [])
         if not direct:
             return []
@@ -149,15 +153,23 @@ class ParallelReader(FileSystemReader):
         append = work.append
         as_read_item = planner.direct_read_item  # type: ignore[attr-defined]
         checked = self.save_id is not None
+        places: dict[int, tuple[_StorageInfo, list[str]]] = {}  # by the piece's id
         for entry in direct:
             fqn, target = entry
             info = get(fqn)
             if info is None:
                 raise ValueError(f"the checkpoint has no single stored piece of '{fqn}'")
-            if checked and not info.transform_descriptors:
+            if not checked or info.transform_descriptors:
+                append((info, as_read_item(fqn, target)))
+            elif target is not None:
                 append((info, entry))  # type: ignore[arg-type]
             else:
-                append((info, as_read_item(fqn, target)))
+                place = places.get(id(info))
+                if place is None:
+                    places[id(info)] = (info, [fqn])
+                else:
+                    place[1].append(fqn)
+        work += [(info, (names, None)) for info, names in places.values()]  # type: ignore[misc]
         return work
 
     def _run_all(self, fn: Callable[[Any], None], work: list[Any], threads: int) -> None:
@@ -225,11 +237,6 @@ class ParallelReader(FileSystemReader):
         # its bytes again). Bounded: thousands of hyperparameters, mostly equal.
         checked_bytes: dict[tuple[int, int], bytes] = {}
         seen = checked_bytes.get
-        # Byte values stored at one place share their piece (`_StorageInfo`) in trainckpt's
-        # metadata, and the run is in file order: a value at the place of the one before it
-        # is handed on as those bytes, checked a moment ago.
-        last_info: _StorageInfo | None = None
-        last_value = b""
         with ExitStack() as stack:
             stack.enter_context(torch.no_grad())  # direct copies into parameters
             streams: dict[str, tuple[Any, str]] = {}
@@ -253,17 +260,14 @@ class ParallelReader(FileSystemReader):
                 size = len(data)
                 listed = record.items.get
                 values: list[tuple[str, bytes]] = []  # the span's byte values, handed on at once
-                add_value = values.append
+                add_values = values.extend
                 for info, req in span:
                     offset, length = info.offset, info.length
                     at = offset - start
                     if type(req) is tuple:  # the planner's `direct_items`: checked, whole
                         fqn, target = req
                         expected = listed(offset)
-                        if target is None:
-                            if info is last_info:  # the place of the value before: checked
-                                add_value((fqn, last_value))
-                                continue
+                        if target is None:  # byte values, all stored at this place
                             same = seen(expected)  # type: ignore[arg-type]
                             if (
                                 same is not None
@@ -272,8 +276,7 @@ class ParallelReader(FileSystemReader):
                                 and at + length <= size  # not the reused buffer's old bytes
                                 and base.startswith(same, at)
                             ):  # the bytes of an item that had this CRC32C, compared in place
-                                add_value((fqn, same))
-                                last_info, last_value = info, same
+                                add_values(zip(fqn, repeat(same)))
                                 continue
                             raw = data[at : at + length].tobytes()
                             if same is not None and same == raw:
@@ -282,13 +285,12 @@ class ParallelReader(FileSystemReader):
                                 crc = crc32c(raw) if length >= small else value(raw)
                                 if expected != (length, crc):
                                     record.check_item(
-                                        path, offset, data[at : at + length], f"item '{fqn}'"
+                                        path, offset, data[at : at + length], f"item '{fqn[0]}'"
                                     )
                                     raise AssertionError("unreachable: the check above raises")
                                 if length <= _CHECKED_BYTES and len(checked_bytes) < _CHECKED_COUNT:
                                     checked_bytes[expected] = raw  # type: ignore[index]
-                            add_value((fqn, raw))
-                            last_info, last_value = info, raw
+                            add_values(zip(fqn, repeat(raw)))
                             continue
                         item = data[at : at + length]
                         crc = crc32c(item) if length >= small else value(item.tobytes())
