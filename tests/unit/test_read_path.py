@@ -207,11 +207,36 @@ def test_the_planners_mappings_are_dcps_made_on_first_use() -> None:
     assert planner.mappings == flatten_state_dict(state)[1]
     saved = io.BytesIO()
     torch.save("y", saved)
-    planner.load_plain_values([("b.f", saved.getvalue())])
+    planner.load_plain_values([(["b.f"], saved.getvalue())])
     assert state["b"]["f"] == "y"
     other = _SafeLoadPlanner()
     other.mappings = {"x": ("x",)}  # DCP sets them, e.g. for a checkpoint of PyTorch 2.3
     assert other.mappings == {"x": ("x",)}
+
+
+def _saved(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def test_values_at_one_place_are_parsed_once_and_a_mutable_one_for_each_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The reader hands on the byte values stored at one place together: an immutable value is
+    parsed once and shared by every key; a mutable one is parsed for each key, so that no two
+    keys share a list."""
+    state: dict[str, Any] = {"a": None, "b": None, "c": None, "d": None, "e": None}
+    planner = _SafeLoadPlanner(direct=True)
+    planner.set_up_planner(state)
+    parsed: list[str] = []
+    parse = planner._parse
+    monkeypatch.setattr(planner, "_parse", lambda fqn, data: parsed.append(fqn) or parse(fqn, data))
+    planner.load_plain_values([(["a", "b"], _saved((1, 2.5))), (["c", "d"], _saved([1]))])
+    planner.load_plain_values([(["e"], _saved((1, 2.5)))])
+    assert state["a"] == (1, 2.5) and state["a"] is state["b"] is state["e"]
+    assert state["c"] == state["d"] == [1] and state["c"] is not state["d"]
+    assert parsed == ["a", "c", "d"]
 
 
 def test_two_paths_to_one_key_still_fail_as_in_dcp() -> None:

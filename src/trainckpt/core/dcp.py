@@ -461,23 +461,28 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 
     def load_plain_value(self, fqn: str, data: bytes) -> None:
         """Put the plain value saved in `data` (its bytes checked) under the flat key `fqn`."""
-        self.load_plain_values([(fqn, data)])
+        self.load_plain_values([([fqn], data)])
 
-    def load_plain_values(self, values: list[tuple[str, bytes]]) -> None:
-        """`load_plain_value` of each (flat key, checked bytes) of `values`: what the reader
-        hands on for the byte values of `direct_items`, a span of them at a time (tens of
-        thousands of optimizer hyperparameters, a call each was a tenth of the reader's
-        loop). Each distinct item is parsed once (`plain_values.Parsed`), by the safe parser."""
+    def load_plain_values(self, values: list[tuple[list[str], bytes]]) -> None:
+        """`load_plain_value` for each (flat keys, checked bytes) of `values`: what the reader
+        hands on for the byte values of `direct_items`, a span of them at a time, the values
+        stored at one place together (an optimizer's tens of thousands of hyperparameters are
+        a few dozen places). Each distinct item is parsed once by the safe parser, and its
+        value shared by every key when it is immutable (`plain_values.Parsed`); a mutable one
+        is parsed for each key."""
         lookup, missing, slots = self.parsed.lookup, plain_values.MISSING, self._slots.get
-        for fqn, data in values:
-            obj = lookup(data, missing)
-            if obj is missing:
-                obj = self.parsed.value(data, partial(self._parse, fqn))
-            slot = slots(fqn)  # empty unless `flatten_state_dict`
-            if slot is not None:
-                slot[0][slot[1]] = obj
-            else:
-                self._set_plain(fqn, obj)
+        for names, data in values:
+            shared = lookup(data, missing)
+            for fqn in names:
+                obj = shared
+                if obj is missing:
+                    obj = self.parsed.value(data, partial(self._parse, fqn))
+                    shared = lookup(data, missing)  # kept if immutable: the other keys' too
+                slot = slots(fqn)  # empty unless `flatten_state_dict`
+                if slot is not None:
+                    slot[0][slot[1]] = obj
+                else:
+                    self._set_plain(fqn, obj)
 
     def _parse(self, fqn: str, data: bytes) -> Any:
         return load_torch_plain(data, f"DCP value '{fqn}' in '{self.folder}'")

@@ -30,7 +30,6 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from itertools import repeat
 from typing import IO, Any, TypeVar, cast
 
 import google_crc32c
@@ -219,7 +218,7 @@ class ParallelReader(FileSystemReader):
         values of the planner's `direct_items` go to its `load_plain_values`, a span's at once."""
         buffer = _ItemBuffer()
         load_plain: Callable[[ReadItem, bytes], None] | None = getattr(planner, "load_plain", None)
-        plain_values: Callable[[list[tuple[str, bytes]]], None] | None = getattr(
+        plain_values: Callable[[list[tuple[list[str], bytes]]], None] | None = getattr(
             planner, "load_plain_values", None
         )
         commit_direct: Callable[[str, torch.Tensor], None] | None = getattr(
@@ -259,8 +258,8 @@ class ParallelReader(FileSystemReader):
                 base = buffer.whole(got)  # `base.startswith(b, at)`: `data[at:]` vs `b`
                 size = len(data)
                 listed = record.items.get
-                values: list[tuple[str, bytes]] = []  # the span's byte values, handed on at once
-                add_values = values.extend
+                values: list[tuple[list[str], bytes]] = []  # the span's byte values, at once
+                add_values = values.append
                 for info, req in span:
                     offset, length = info.offset, info.length
                     at = offset - start
@@ -276,7 +275,7 @@ class ParallelReader(FileSystemReader):
                                 and at + length <= size  # not the reused buffer's old bytes
                                 and base.startswith(same, at)
                             ):  # the bytes of an item that had this CRC32C, compared in place
-                                add_values(zip(fqn, repeat(same)))
+                                add_values((fqn, same))
                                 continue
                             raw = data[at : at + length].tobytes()
                             if same is not None and same == raw:
@@ -290,7 +289,7 @@ class ParallelReader(FileSystemReader):
                                     raise AssertionError("unreachable: the check above raises")
                                 if length <= _CHECKED_BYTES and len(checked_bytes) < _CHECKED_COUNT:
                                     checked_bytes[expected] = raw  # type: ignore[index]
-                            add_values(zip(fqn, repeat(raw)))
+                            add_values((fqn, raw))
                             continue
                         item = data[at : at + length]
                         crc = crc32c(item) if length >= small else value(item.tobytes())
