@@ -1030,6 +1030,23 @@ class _Storage(Mapping[MetadataIndex, _StorageInfo]):
         return (dict, (dict(self.items()),))
 
 
+def _add(
+    entries: dict[str, Any],
+    built: Any,
+    pieces: dict[str, _StorageInfo] | None,
+    single: dict[str, _StorageInfo],
+    parts: list[_StoragePart],
+    part: _StoragePart,
+) -> bool:
+    """Add what a column step made: the entries (a mapping or pairs), the stored piece of each
+    single-piece one, and its part of `storage_data`. True."""
+    entries.update(built)
+    if pieces is not None:
+        pieces.update(single)
+    parts.append(part)
+    return True
+
+
 def _compiled_tensors(
     records: Any,
     raw_table: memoryview,
@@ -1052,11 +1069,9 @@ def _compiled_tensors(
     if made is None:
         return False
     built, single, fqns, counts, ndims = made
-    entries.update(built)
-    if pieces is not None:
-        pieces.update(single)
-    parts.append(_ChunkTable(table, files, fqns, counts, ndims, None))
-    return True
+    return _add(
+        entries, built, pieces, single, parts, _ChunkTable(table, files, fqns, counts, ndims, None)
+    )
 
 
 def _compiled_byte_values(
@@ -1075,11 +1090,8 @@ def _compiled_byte_values(
     if made is None:
         return False
     infos, hints = made
-    if pieces is not None:
-        pieces.update(infos)
-    entries.update(zip(infos, repeat(_BYTES_ENTRY)))
-    parts.append(_ByteValues(infos, hints))
-    return True
+    built = zip(infos, repeat(_BYTES_ENTRY))
+    return _add(entries, built, pieces, infos, parts, _ByteValues(infos, hints))
 
 
 def _fast_tensors(
@@ -1173,11 +1185,9 @@ def _fast_tensors(
         whole = tuple(size)
         shape = shapes.get(whole) or shapes.setdefault(whole, torch.Size(whole))
         built[fqn] = TensorStorageMetadata(p, shape, chunks)  # type: ignore[arg-type]
-    entries.update(built)
-    if pieces is not None:
-        pieces.update(single)
-    parts.append(_ChunkTable(table, files, fqns, counts, ndims, ints))
-    return True
+    return _add(
+        entries, built, pieces, single, parts, _ChunkTable(table, files, fqns, counts, ndims, ints)
+    )
 
 
 def _fast_byte_values(
@@ -1209,11 +1219,8 @@ def _fast_byte_values(
         f, offset, length = place
         shared[place] = _StorageInfo(files[f], offset, length)
     infos = dict(zip(fqns, map(shared.__getitem__, places), strict=True))
-    if pieces is not None:
-        pieces.update(infos)
-    entries.update(zip(fqns, repeat(_BYTES_ENTRY)))
-    parts.append(_ByteValues(infos, hints))
-    return True
+    built = zip(fqns, repeat(_BYTES_ENTRY))
+    return _add(entries, built, pieces, infos, parts, _ByteValues(infos, hints))
 
 
 _BYTES_ENTRY = BytesStorageMetadata()
