@@ -264,9 +264,9 @@ class ParallelReader(FileSystemReader):
                     offset, length = info.offset, info.length
                     at = offset - start
                     if type(req) is tuple:  # the planner's `direct_items`: checked, whole
-                        fqn, target = req
                         expected = listed(offset)
-                        if target is None:  # byte values, all stored at this place
+                        if req[1] is None:  # (names, None): byte values stored at this place
+                            names = req[0]
                             same = seen(expected)  # type: ignore[arg-type]
                             if (
                                 same is not None
@@ -275,7 +275,7 @@ class ParallelReader(FileSystemReader):
                                 and at + length <= size  # not the reused buffer's old bytes
                                 and base.startswith(same, at)
                             ):  # the bytes of an item that had this CRC32C, compared in place
-                                add_values((fqn, same))
+                                add_values((names, same))
                                 continue
                             raw = data[at : at + length].tobytes()
                             if same is not None and same == raw:
@@ -284,13 +284,14 @@ class ParallelReader(FileSystemReader):
                                 crc = crc32c(raw) if length >= small else value(raw)
                                 if expected != (length, crc):
                                     record.check_item(
-                                        path, offset, data[at : at + length], f"item '{fqn[0]}'"
+                                        path, offset, data[at : at + length], f"item '{names[0]}'"
                                     )
                                     raise AssertionError("unreachable: the check above raises")
                                 if length <= _CHECKED_BYTES and len(checked_bytes) < _CHECKED_COUNT:
                                     checked_bytes[expected] = raw  # type: ignore[index]
-                            add_values((fqn, raw))
+                            add_values((names, raw))
                             continue
+                        fqn, target = req
                         item = data[at : at + length]
                         crc = crc32c(item) if length >= small else value(item.tobytes())
                         if expected != (length, crc):
