@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
+from collections.abc import Container
 from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any
@@ -217,10 +218,20 @@ def init_optim_state(optim: torch.optim.Optimizer) -> None:
         _init_optim_state(optim)
 
 
-def flat_optim(optim: torch.optim.Optimizer, part: PlainPart) -> dict[str, Any]:
+def flat_optim(
+    optim: torch.optim.Optimizer, part: PlainPart, saved: Container[str] | None = None
+) -> dict[str, Any]:
     """`optim`'s state flattened by parameter name, as DCP's `_flatten_optim_state_dict`
     does: `state.<name>.<key>` in the order of `optim.state`, then
-    `param_groups.<name>.<key>` per group and parameter (the same value objects)."""
+    `param_groups.<name>.<key>` per group and parameter (the same value objects).
+
+    To load a checkpoint whose flat keys are `saved` (`optim.`-prefixed): a group's
+    parameters after its first get only their first group key. The others are values
+    loading never reads: DCP's `_unflatten_optim_state_dict` (and `groups_to_load`) takes
+    each group's values from its first parameter and only looks for the first key of the
+    others. An optimizer holds about ten such values per parameter, most of the entries of
+    its state. A key that `saved` lacks stays in, so that the load refuses it by name as
+    before."""
     names = part.names
     flat: dict[str, Any] = {}
     for p, state in optim.state.items():
@@ -229,10 +240,15 @@ def flat_optim(optim: torch.optim.Optimizer, part: PlainPart) -> dict[str, Any]:
             flat[f"{prefix}{k}"] = v
     for group in optim.param_groups:
         items = [(k, v) for k, v in group.items() if k != "params"]
-        for p in group["params"]:
+        for i, p in enumerate(group["params"]):
             prefix = f"param_groups.{names[id(p)]}."
-            for k, v in items:
-                flat[f"{prefix}{k}"] = v
+            if saved is None or i == 0:
+                for k, v in items:
+                    flat[f"{prefix}{k}"] = v
+                continue
+            for j, (k, v) in enumerate(items):
+                if j == 0 or f"optim.{prefix}{k}" not in saved:
+                    flat[f"{prefix}{k}"] = v
     return flat
 
 

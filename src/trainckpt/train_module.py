@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -135,17 +135,20 @@ class ModelAndOptim:
     def _model_state(self) -> dict[str, Any]:
         return _merged([part.model for part in self._parts(optim=False)])
 
-    def _parts(self, optim: bool) -> list[_Part]:
+    def _parts(self, optim: bool, saved: Container[str] | None = None) -> list[_Part]:
         """Each part's model state dict, and with `optim` its flattened optimizer state, as
         DCP's `get_state_dict(..., flatten_optimizer_state_dict=True)` returns them: from
         one plain walk where `plain_state` can be sure that is what DCP returns, else from
         DCP. DCP fills the state of an optimizer that has not stepped yet by stepping it with
         zero gradients (its step counter becomes 1); that state is returned but taken off
-        the optimizer again, so saving never changes how training goes on."""
+        the optimizer again, so saving never changes how training goes on. `saved`: the flat
+        keys of the checkpoint to load (`plain_state.flat_optim`)."""
         optims = self.optims if optim else []
         fresh = [not o.state for o in optims]
         try:
-            return [_part(i, p, optims[i] if optims else None) for i, p in enumerate(self.parts)]
+            return [
+                _part(i, p, optims[i] if optims else None, saved) for i, p in enumerate(self.parts)
+            ]
         finally:
             for o, was_fresh in zip(optims, fresh, strict=True):
                 if was_fresh:
@@ -177,7 +180,7 @@ class ModelAndOptim:
                 "load_optim_state=True but this ModelAndOptim has no optimizer; "
                 "pass the optimizer to ModelAndOptim(model, optim)"
             )
-        parts = self._parts(optim=optim)
+        parts = self._parts(optim=optim, saved=metadata.state_dict_metadata)
         state: dict[str, Any] = {"model": _merged([p.model for p in parts])}
         if optim:
             state["optim"] = _merged([p.optim or {} for p in parts])
@@ -244,7 +247,12 @@ class _Part:
         self.optim_plain = optim_plain
 
 
-def _part(i: int, module: torch.nn.Module, optim: torch.optim.Optimizer | None) -> _Part:
+def _part(
+    i: int,
+    module: torch.nn.Module,
+    optim: torch.optim.Optimizer | None,
+    saved: Container[str] | None = None,
+) -> _Part:
     """Part `i`'s state dicts (see `ModelAndOptim._parts`); logs which way they were made."""
     walked = plain_state.walk(module)
     reason = walked if isinstance(walked, str) else None
@@ -257,7 +265,7 @@ def _part(i: int, module: torch.nn.Module, optim: torch.optim.Optimizer | None) 
     if reason is None:
         assert not isinstance(walked, str)
         log.debug("part %d: state dicts from a plain walk", i)
-        flat = None if optim is None else plain_state.flat_optim(optim, walked)
+        flat = None if optim is None else plain_state.flat_optim(optim, walked, saved)
         return _Part(walked.model, flat, walked, optim is not None)
     log.debug("part %d: state dicts from DCP: %s", i, reason)
     if optim is None:

@@ -288,7 +288,67 @@ def test_the_plain_state_dicts_hold_the_live_objects_dcp_hands_out(case: str) ->
         assert v is expected["optim"][k], k
     state = module.state_dict_to_load(_Meta(got))
     _same_dict(state["model"], got["model"])
-    _same_dict(state["optim"], got["optim"])
+    unread = _unread_group_keys(parts, optims)
+    _same_dict(state["optim"], {k: v for k, v in got["optim"].items() if k not in unread})
+
+
+def _unread_group_keys(models: list[nn.Module], optims: list[torch.optim.Optimizer]) -> set[str]:
+    """The flat `param_groups` keys a load does not read: those of each group's parameters
+    after its first, but their first key (DCP looks for that one)."""
+    names = {id(p): n for m in models for n, p in reversed(list(m.named_parameters()))}
+    return {
+        f"param_groups.{names[id(p)]}.{k}"
+        for o in optims
+        for g in o.param_groups
+        for p in g["params"][1:]
+        for k in [k for k in g if k != "params"][1:]
+    }
+
+
+def test_a_load_hands_out_only_the_group_values_it_reads(tmp_path: Path) -> None:
+    """An optimizer's group values are most of its flat state (about ten per parameter), and
+    a load reads only each group's first parameter's. The others are left out of the state
+    to load, and the load still restores every group as the checkpoint has it."""
+    parts, optims, _ = _two_groups(1, 2)
+    for i, g in enumerate(optims[0].param_groups):
+        g["lr"] = 0.5 + i
+    ckpt = CheckpointerConfig(work_dir=tmp_path / "work", incremental=False).build()
+    folder = ckpt.save(tmp_path / "step1", ModelAndOptim(parts, optims), {})
+    target = _two_groups(7, 0)
+    module = ModelAndOptim(*target[:2])
+    saved = module.state_dict_to_save()
+    handed = module.state_dict_to_load(_Meta(saved))
+    unread = _unread_group_keys(target[0], target[1])
+    assert unread and len(handed["optim"]) == len(saved["optim"]) - len(unread)
+    ckpt.load(folder, module)
+    ckpt.close()
+    assert [g["lr"] for g in target[1][0].param_groups] == [0.5, 1.5]
+    assert _snapshot(target).keys() == _snapshot((parts, optims, [])).keys()
+    for k, v in _snapshot((parts, optims, [])).items():
+        if not k.startswith("model"):
+            _same_value(_snapshot(target)[k], v, k)
+
+
+@pytest.mark.parametrize("through_dcp", [False, True], ids=["plain", "dcp"])
+def test_a_group_value_the_checkpoint_lacks_is_refused_by_name(
+    tmp_path: Path, through_dcp: bool, force_dcp: Callable[[bool], None]
+) -> None:
+    """A key loading does not read is left out only when the checkpoint holds it: a group
+    value saved for the first parameter of a group but not for another is refused by name,
+    as DCP's strict load refuses it."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    # "foo" after "lr": a group's first key stays in for every parameter
+    first = torch.optim.AdamW(
+        [{"params": [model.weight], "lr": 0.1, "foo": 1}, {"params": [model.bias], "lr": 0.1}]
+    )
+    ckpt = CheckpointerConfig(work_dir=tmp_path / "work", incremental=False).build()
+    folder = ckpt.save(tmp_path / "step1", ModelAndOptim(model, first), {})
+    regrouped = torch.optim.AdamW([{"params": [model.weight, model.bias], "lr": 0.1, "foo": 1}])
+    force_dcp(through_dcp)
+    with pytest.raises(CheckpointError, match=r"optim\.param_groups\.bias\.foo"):
+        ckpt.load(folder, ModelAndOptim(model, regrouped))
+    ckpt.close()
 
 
 class _Meta:

@@ -214,6 +214,52 @@ def test_the_planners_mappings_are_dcps_made_on_first_use() -> None:
     assert other.mappings == {"x": ("x",)}
 
 
+def test_a_state_that_leaves_out_saved_keys_is_planned_in_one_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Keys the checkpoint holds and the state lacks are not loaded, as in DCP, without
+    DCP's planning: `ModelAndOptim` leaves out the hyperparameters loading does not read."""
+    state = _nested_state()
+    save_state(state, tmp_path / "dcp", group=None, thread_count=1)
+    storage = LocalStorage()
+    md = read_dcp_metadata(storage, str(tmp_path / "dcp"))
+    part = _blank(state)
+    del part["optim"]["param_groups"]
+    part["model"] = {k: part["model"][k] for k in ("w3", "w5")}
+    slow: list[str] = []
+    dcp_plan = _SafeLoadPlanner.__mro__[1].create_local_plan
+    monkeypatch.setattr(
+        _SafeLoadPlanner.__mro__[1],
+        "create_local_plan",
+        lambda self: slow.append("dcp") or dcp_plan(self),
+    )
+    load_state(part, storage, str(tmp_path / "dcp"), md, group=None, thread_count=1)
+    assert slow == []
+    assert _same(
+        part,
+        {"model": {"w3": state["model"]["w3"], "w5": state["model"]["w5"]}, "optim": {"step": 3}},
+    )
+
+
+def test_a_checkpoint_of_pytorch_2_3_still_loads_as_dcp_loads_it(tmp_path: Path) -> None:
+    """PyTorch 2.3 saved a dict without tensors whole, under the dict's path. A state whose
+    dict has such a path goes to DCP's planning, which flattens the state as 2.3 did."""
+    from torch.distributed.checkpoint import _version
+
+    state = {"model": {"w": torch.arange(3.0)}, "extra": {"a": 1, "b": (2, "x")}}
+    _version._derived_version = "2_3"
+    try:
+        save_state(state, tmp_path / "dcp", group=None, thread_count=1)
+    finally:
+        _version._derived_version = None
+    storage = LocalStorage()
+    md = read_dcp_metadata(storage, str(tmp_path / "dcp"))
+    assert set(md.state_dict_metadata) == {"model.w", "extra"}
+    out = _blank(state)
+    load_state(out, storage, str(tmp_path / "dcp"), md, group=None, thread_count=1)
+    assert _same(out, state)
+
+
 def _saved(value: Any) -> bytes:
     buffer = io.BytesIO()
     torch.save(value, buffer)

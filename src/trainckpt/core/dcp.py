@@ -338,6 +338,8 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
         """(name, the whole plain tensor to copy into, or None for a byte value)."""
         self._slots: dict[str, tuple[dict[str, Any], str]] = {}
         self._paths: tuple[dict[str, Any], _Runs] = ({}, [])
+        self._dicts: list[str] | None = None
+        """The flat path of every dict in the state (`_flat_plain`); None: DCP flattened it."""
 
     def set_up_planner(
         self,
@@ -348,13 +350,14 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
         flat = _flat_plain(state_dict) if self.flatten_state_dict else None
         if flat is None:  # DCP's way: meta tensors, DTensors, lists, ...
             self._slots = {}
+            self._dicts = None
             self.flatten_sharded_tensors = _holds_sharded_tensor(state_dict)
             super().set_up_planner(state_dict, metadata, is_coordinator)
             return
         # What DCP's `set_up_planner` makes of such a state, in one pass over it; DCP's
         # `mappings` (a path per entry) only on first use (`mappings`)
         self.original_state_dict = state_dict
-        self.state_dict, runs, self._slots = flat
+        self.state_dict, runs, self._slots, self._dicts = flat
         self._mappings = None
         self._paths = (self.state_dict, runs)
         self.metadata = metadata
@@ -378,7 +381,7 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
         assert self.metadata is not None
         saved = self.metadata.state_dict_metadata
         self.direct_items = []
-        if not saved.keys() <= self.state_dict.keys():  # DCP tells older checkpoints' keys apart
+        if self._older_keys(saved):
             self._slots = {}  # DCP may flatten anew, as PyTorch 2.3 did
             return super().create_local_plan()
         strict = not self.allow_partial_load
@@ -424,6 +427,17 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
             else:
                 items.extend(_resharded_read_items(fqn, md, obj, self.metadata, strict))
         return LoadPlan(items)
+
+    def _older_keys(self, saved: dict[str, Any]) -> bool:
+        """Whether DCP might take the checkpoint for one of PyTorch 2.3 or older (whose keys
+        end at a dict holding no tensor) and flatten the state anew, as its
+        `create_local_plan` does when a saved key is not in the state and is a key of that
+        older flattening. After `_flat_plain`, only a dict's path can be such a key, so that
+        is all this looks up (a handful, not every saved key: a state may leave out many,
+        as `ModelAndOptim` leaves out hyperparameters that loading does not read)."""
+        if self._dicts is None:
+            return not saved.keys() <= self.state_dict.keys()
+        return any(path in saved for path in self._dicts)
 
     def direct_read_item(self, fqn: str, target: torch.Tensor | None) -> ReadItem:
         """The read item DCP would have planned for an entry of `direct_items` (for a reader
@@ -514,20 +528,23 @@ prefix, the index of the run's first flat key). DCP's mappings follow from them
 (`_flat_paths`)."""
 
 
-def _flat_plain(state: dict[str, Any]) -> tuple[dict[str, Any], _Runs, _Slots] | None:
+def _flat_plain(
+    state: dict[str, Any],
+) -> tuple[dict[str, Any], _Runs, _Slots, list[str]] | None:
     """What DCP's flattening (`flatten_state_dict`) makes of `state`, when `state` is nested
     plain dicts with string keys down to whole CPU/GPU tensors (`torch.Tensor` or `Parameter`,
     not on the meta device) and plain values (`_PLAIN_LEAVES`): the flat state, the runs that
-    make DCP's mappings (flat key -> path; `_flat_paths`), and for each flat key the dict and
-    key that hold it. None for anything else (DTensors, ShardedTensors, lists, meta tensors,
-    non-string keys, two paths with one flat key): DCP then flattens it, and raises its
-    errors. One pass, no per-entry calls: at tens of thousands of entries, DCP's traversal
-    was a tenth of a load."""
+    make DCP's mappings (flat key -> path; `_flat_paths`), for each flat key the dict and
+    key that hold it, and the flat path of every nested dict. None for anything else
+    (DTensors, ShardedTensors, lists, meta tensors, non-string keys, two paths with one flat
+    key): DCP then flattens it, and raises its errors. One pass, no per-entry calls: at
+    tens of thousands of entries, DCP's traversal was a tenth of a load."""
     if type(state) is not dict or _version._derived_version is not None:
         return None
     flat: dict[str, Any] = {}
     runs: _Runs = []
     slots: _Slots = {}
+    dicts: list[str] = []
     tensors = _PLAIN_TENSORS
     leaves = _PLAIN_LEAVES
     # Depth first, in each dict's order (DCP's order), with a stack rather than a recursive
@@ -548,6 +565,7 @@ def _flat_plain(state: dict[str, Any]) -> tuple[dict[str, Any], _Runs, _Slots] |
                 depth += 1
                 if depth > _MAX_DEPTH:
                     return None
+                dicts.append(prefix + key)
                 stack.append((iter(value.items()), value, (*path, key), f"{prefix}{key}."))
                 break
             if kind in tensors:
@@ -566,7 +584,7 @@ def _flat_plain(state: dict[str, Any]) -> tuple[dict[str, Any], _Runs, _Slots] |
         else:
             stack.pop()
             depth -= 1
-    return flat, runs, slots
+    return flat, runs, slots, dicts
 
 
 def _flat_paths(flat: dict[str, Any], runs: _Runs) -> dict[str, tuple[str | int, ...]]:
