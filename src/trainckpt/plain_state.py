@@ -244,11 +244,12 @@ def flat_optim(
             prefix = f"param_groups.{names[id(p)]}."
             if saved is None or i == 0:
                 for k, v in items:
-                    flat[f"{prefix}{k}"] = v
+                    flat[prefix + k] = v
                 continue
+            held = "optim." + prefix
             for j, (k, v) in enumerate(items):
-                if j == 0 or f"optim.{prefix}{k}" not in saved:
-                    flat[f"{prefix}{k}"] = v
+                if j == 0 or held + k not in saved:
+                    flat[prefix + k] = v
     return flat
 
 
