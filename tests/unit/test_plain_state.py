@@ -329,6 +329,41 @@ def test_a_load_hands_out_only_the_group_values_it_reads(tmp_path: Path) -> None
             _same_value(_snapshot(target)[k], v, k)
 
 
+def _tied_second(seed: int, steps: int) -> Parts:
+    """A tied parameter that is not its group's first (DCP looks for its first group key)."""
+    torch.manual_seed(seed)
+    m = Tied()
+    o = torch.optim.AdamW([m.mid.weight, m.embed.weight, m.mid.bias], lr=1e-2)
+    _train(list(m.parameters()), o, steps, seed)
+    return [m], [o], []
+
+
+@pytest.mark.parametrize("case", ["tied", "tied_second", "two_groups", "pipeline", "lr_scheduler"])
+def test_the_state_handed_out_for_a_load_also_loads_through_dcp(
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where the plain load of the optimizer gives up after the state was handed out, DCP's
+    `set_optimizer_state_dict` loads that state (without the group values loading does not
+    read) into what the plain load gives."""
+    debug_log = _debug(caplog)
+    ckpt = CheckpointerConfig(work_dir=tmp_path / "work", incremental=False).build()
+    make = CASES.get(case, _tied_second)
+    folder = ckpt.save(tmp_path / "step1", ModelAndOptim(*make(1, 2)[:2]), {})
+    plain = make(7, 3)
+    ckpt.load(folder, ModelAndOptim(*plain[:2]))
+    assert "loaded by DCP" not in debug_log.text
+    monkeypatch.setattr(plain_state, "groups_to_load", lambda *a: "forced")
+    debug_log.clear()
+    through_dcp = make(7, 3)
+    ckpt.load(folder, ModelAndOptim(*through_dcp[:2]))
+    ckpt.close()
+    assert "optimizer loaded by DCP: forced" in debug_log.text
+    expected, got = _snapshot(plain), _snapshot(through_dcp)
+    assert got.keys() == expected.keys()
+    for k in expected:
+        _same_value(got[k], expected[k], k)
+
+
 @pytest.mark.parametrize("through_dcp", [False, True], ids=["plain", "dcp"])
 def test_a_group_value_the_checkpoint_lacks_is_refused_by_name(
     tmp_path: Path, through_dcp: bool, force_dcp: Callable[[bool], None]
