@@ -219,13 +219,16 @@ def init_optim_state(optim: torch.optim.Optimizer) -> None:
 
 
 def flat_optim(
-    optim: torch.optim.Optimizer, part: PlainPart, saved: Container[str] | None = None
+    optim: torch.optim.Optimizer,
+    part: PlainPart,
+    saved: Container[str] | None = None,
+    under: str = "",
 ) -> dict[str, Any]:
     """`optim`'s state flattened by parameter name, as DCP's `_flatten_optim_state_dict`
     does: `state.<name>.<key>` in the order of `optim.state`, then
     `param_groups.<name>.<key>` per group and parameter (the same value objects).
 
-    To load a checkpoint whose flat keys are `saved` (`optim.`-prefixed): a group's
+    To load a checkpoint whose flat keys are `saved` (this state's under `under`): a group's
     parameters after its first get only their first group key. The others are values
     loading never reads: DCP's `_unflatten_optim_state_dict` (and `groups_to_load`) takes
     each group's values from its first parameter and only looks for the first key of the
@@ -246,7 +249,7 @@ def flat_optim(
                 for k, v in items:
                     flat[prefix + k] = v
                 continue
-            held = "optim." + prefix
+            held = under + prefix
             for j, (k, v) in enumerate(items):
                 if j == 0 or held + k not in saved:
                     flat[prefix + k] = v

@@ -265,7 +265,7 @@ def _part(
     if reason is None:
         assert not isinstance(walked, str)
         log.debug("part %d: state dicts from a plain walk", i)
-        flat = None if optim is None else plain_state.flat_optim(optim, walked, saved)
+        flat = None if optim is None else plain_state.flat_optim(optim, walked, saved, "optim.")
         return _Part(walked.model, flat, walked, optim is not None)
     log.debug("part %d: state dicts from DCP: %s", i, reason)
     if optim is None:
