@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.planner_helpers import _create_write_items
 from torch.distributed.tensor import DTensor
 
 from trainckpt.errors import CheckpointError
+from trainckpt.format.tensor_flags import is_pinned
 
 log = logging.getLogger(__name__)
 
@@ -119,14 +120,12 @@ def state_signature(
     parts: list[tuple[Any, ...]] = []
     for fqn, obj in state.items():
         if type(obj) in _PLAIN:
-            parts.append(
-                (fqn, obj.dtype, obj.shape, obj.layout, obj.requires_grad, obj.is_pinned())
-            )
+            parts.append((fqn, obj.dtype, obj.shape, obj.layout, obj.requires_grad, is_pinned(obj)))
         elif type(obj) is DTensor:
             local = obj._local_tensor
             parts.append(
                 (fqn, obj.dtype, obj.shape, obj.device_mesh, obj.placements, local.shape,
-                 local.layout, local.requires_grad, local.is_pinned())
+                 local.layout, local.requires_grad, is_pinned(local))
             )  # fmt: skip
         elif isinstance(obj, torch.Tensor) or hasattr(obj, "__create_write_items__"):
             return None
@@ -211,7 +210,7 @@ def _walk(
                 found.mappings.update(zip(names, [(*path, k) for k in keys], strict=True))
             attrs = tuple(
                 [
-                    (v.dtype, v.shape, v.layout, v.requires_grad, v.is_pinned())
+                    (v.dtype, v.shape, v.layout, v.requires_grad, is_pinned(v))
                     for v, kind in zip(values, kinds, strict=True)
                     if kind in _PLAIN
                 ]
@@ -253,14 +252,14 @@ def _walk_each(
         if kind in _LEAVES:
             continue
         if kind in _PLAIN:
-            attrs.append((v.dtype, v.shape, v.layout, v.requires_grad, v.is_pinned()))
+            attrs.append((v.dtype, v.shape, v.layout, v.requires_grad, is_pinned(v)))
         elif isinstance(v, list | ShardedTensor):
             raise _NotFlat
         elif kind is DTensor:
             local = v._local_tensor
             attrs.append(
                 (v.dtype, v.shape, v.device_mesh, v.placements, local.shape, local.layout,
-                 local.requires_grad, local.is_pinned())
+                 local.requires_grad, is_pinned(local))
             )  # fmt: skip
         elif isinstance(v, torch.Tensor) or hasattr(v, "__create_write_items__"):
             signed = False
@@ -452,7 +451,7 @@ def local_save_plan(state: dict[str, Any], mappings: dict[str, Any]) -> SavePlan
             offsets = zeros.get(len(size))
             if offsets is None:
                 offsets = zeros[len(size)] = torch.Size([0] * len(size))
-            key = (obj.dtype, obj.layout, obj.requires_grad, obj.is_pinned())
+            key = (obj.dtype, obj.layout, obj.requires_grad, is_pinned(obj))
             properties = props.get(key)
             if properties is None:
                 properties = props[key] = TensorProperties(

@@ -16,6 +16,8 @@ import io
 import torch
 import xxhash
 
+from trainckpt.format.tensor_flags import flips_values
+
 Kind = tuple[str, tuple[int, ...], tuple[int, ...], int, int]
 
 
@@ -28,8 +30,7 @@ def tensor_kind(tensor: torch.Tensor) -> Kind | None:
         or not tensor.is_cpu
         or tensor.layout != torch.strided
         or tensor.is_quantized
-        or tensor.is_conj()
-        or tensor.is_neg()
+        or flips_values(tensor)
     ):
         return None
     nbytes = tensor.untyped_storage().nbytes()

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from trainckpt.format import shard_checksums
+from trainckpt.format.tensor_flags import flips_values
 from trainckpt.storage.ranged import RangeReader
 
 # A reading thread pays off only for large items: the work per item (planning, checking,
@@ -414,7 +415,8 @@ def _load_checked(data: bytes | memoryview) -> torch.Tensor:
     valid while `data` is). `torch.load(weights_only=True)` onto the meta device reads only the
     pickle (shape, strides, dtype, and where in `data` the storage's bytes start); the tensor is
     then a view of those bytes. Anything else (a read-only buffer, bytes in the other byte
-    order, a storage past the end of `data`) is loaded by `torch.load` into its own memory.
+    order, a storage past the end of `data`, a lazily conjugated or negated tensor) is loaded
+    by `torch.load` into its own memory.
 
     An item whose bytes outside its storage equal those of an item read before (`_SKELETONS`)
     is the same kind of tensor at the same place: it is built from what that one's pickle said,
@@ -433,6 +435,7 @@ def _load_checked(data: bytes | memoryview) -> torch.Tensor:
         type(meta) is not torch.Tensor
         or meta.layout != torch.strided
         or meta.is_quantized
+        or flips_values(meta)  # torch.save keeps the bit: the storage does not hold the values
         or not isinstance(offset, int)
         or nbytes == 0
         or offset < 0
@@ -548,7 +551,7 @@ def _copy_into(skeleton: _Skeleton, target: torch.Tensor, address: int) -> bool:
         or target.size() != skeleton.size
         or not target.is_cpu
         or not target.is_contiguous()
-        or target.is_neg()
+        or flips_values(target)
     ):
         return False
     _memmove(target.data_ptr(), address + packed, skeleton.packed_bytes)

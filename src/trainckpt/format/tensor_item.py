@@ -19,6 +19,7 @@ import torch
 from torch.serialization import DEFAULT_PROTOCOL, _get_storage_alignment, _save
 
 from trainckpt.format.content_hash import Kind, storage_bytes, tensor_kind
+from trainckpt.format.tensor_flags import flips_values
 from trainckpt.storage.checksummed_file import ChecksummedWriter
 
 
@@ -125,7 +126,7 @@ class ItemTemplates:
             return None
         storage = tensor.untyped_storage()
         nbytes = storage.nbytes()
-        if not 0 < nbytes < self.SMALL or tensor.is_conj() or tensor.is_neg():
+        if not 0 < nbytes < self.SMALL or flips_values(tensor):
             return None
         quick = (tensor.dtype, tensor.shape, tensor.stride(), tensor.storage_offset(), nbytes)
         known = self._quick.get(quick)
