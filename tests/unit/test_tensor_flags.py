@@ -136,3 +136,39 @@ def test_lazy_views_are_saved_and_loaded_by_their_values(tmp_path: Path) -> None
         assert torch.equal(out[k], v), k
     assert tensor_kind(state["neg"]) is None and tensor_kind(state["conj"]) is None
     assert tensor_kind(state["plain"]) is not None
+
+
+class _Views(torch.nn.Module):
+    """A model whose buffers are lazy views, as a model's own state dict hands them out."""
+
+    def __init__(self, fill: float) -> None:
+        super().__init__()
+        z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64) * fill
+        self.register_buffer("plain", torch.arange(4.0) * fill)
+        self.register_buffer("plain_2", torch.arange(4.0) * fill + 5)
+        self.register_buffer("neg", torch._neg_view(torch.arange(1.0, 5.0) * fill))
+        self.register_buffer("conj", z.conj())
+
+
+@pytest.mark.parametrize("how", ["save", "threads", "process"])
+def test_lazy_views_of_a_model_come_back_through_every_save(tmp_path: Path, how: str) -> None:
+    """The Checkpointer's sync save, and its background saves with writer threads and with a
+    writer process (staged copies), each loaded back by trainckpt."""
+    from trainckpt import CheckpointerConfig, ModelAndOptim
+
+    ckpt = CheckpointerConfig(
+        work_dir=tmp_path / "work", async_writer="process" if how == "process" else "thread"
+    ).build()
+    try:
+        src = ModelAndOptim(_Views(1.0))
+        if how == "save":
+            ckpt.save(tmp_path / "step1", src, {"step": 1})
+        else:
+            ckpt.save_async(tmp_path / "step1", src, {"step": 1}).result()
+        dst = _Views(0.0)
+        ckpt.load(tmp_path / "step1", ModelAndOptim(dst))
+    finally:
+        ckpt.close()
+    want = _Views(1.0).state_dict()
+    for k, v in dst.state_dict().items():
+        assert torch.equal(v, want[k]), k
