@@ -15,11 +15,7 @@ import functools
 import torch
 
 _dispatch_keys = getattr(torch._C, "_dispatch_keys", None)
-_FLIPS = (
-    (torch._C.DispatchKey.Conjugate, torch._C.DispatchKey.Negative)
-    if _dispatch_keys is not None
-    else ()
-)
+_FLIPS = (torch._C.DispatchKey.Conjugate, torch._C.DispatchKey.Negative)
 _PLAIN_KEYS = None if _dispatch_keys is None else _dispatch_keys(torch.zeros(()))
 """The dispatch keys of a plain CPU tensor: most tensors asked about have exactly these."""
 
