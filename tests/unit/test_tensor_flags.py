@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from trainckpt import CheckpointerConfig, ModelAndOptim
 from trainckpt.core.dcp import load_state, save_state
 from trainckpt.format import tensor_flags
 from trainckpt.format.content_hash import tensor_kind
@@ -154,8 +155,6 @@ class _Views(torch.nn.Module):
 def test_lazy_views_of_a_model_come_back_through_every_save(tmp_path: Path, how: str) -> None:
     """The Checkpointer's sync save, and its background saves with writer threads and with a
     writer process (staged copies), each loaded back by trainckpt."""
-    from trainckpt import CheckpointerConfig, ModelAndOptim
-
     ckpt = CheckpointerConfig(
         work_dir=tmp_path / "work", async_writer="process" if how == "process" else "thread"
     ).build()
