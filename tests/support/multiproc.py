@@ -56,9 +56,26 @@ def _entry(
         dist.destroy_process_group()
 
 
+_PORT_TAKEN = "EADDRINUSE"
+"""In the error of a rank 0 whose rendezvous port was taken between `free_port` and its bind
+(by a server or job of another test worker): no rank got past the rendezvous."""
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180) -> list:
     """Call `fn(rank, world_size, *args)` on `world_size` spawned ranks; return their results
-    in rank order. An exception on any rank fails the call; so does exceeding `timeout`."""
+    in rank order. An exception on any rank fails the call; so does exceeding `timeout`. A
+    rendezvous port taken meanwhile is tried again with another (at most 3 times): `fn` never
+    ran then."""
+    for attempt in range(3):
+        try:
+            return _run_ranks(fn, world_size, args, timeout)
+        except torch_mp.ProcessRaisedException as e:
+            if _PORT_TAKEN not in str(e) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_ranks(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float) -> list:
     with tempfile.TemporaryDirectory() as out:
         ctx = torch_mp.start_processes(
             _entry,
