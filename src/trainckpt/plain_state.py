@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainckpt.identity import identity
+
 _EXTRA = "_extra_state"
 # Module methods whose override changes what a state dict holds or how it loads, or which
 # names DCP finds (it walks `named_parameters`).
@@ -65,7 +67,7 @@ class PlainPart:
     name as DCP maps optimizer state to it, and the module of each extra state."""
 
     model: dict[str, Any] = field(default_factory=dict)
-    names: dict[int, str] = field(default_factory=dict)  # id(parameter) -> first name
+    names: dict[int, str] = field(default_factory=dict)  # identity(parameter) -> first name
     params: dict[int, torch.Tensor] = field(default_factory=dict)
     extra: dict[str, nn.Module] = field(default_factory=dict)
 
@@ -149,9 +151,10 @@ def walk(module: nn.Module) -> PlainPart | str:
             if reason is not None:
                 return reason
             model[key] = p.detach()
-            if id(p) not in names:
-                names[id(p)] = key
-                params[id(p)] = p
+            key_of_p = identity(p)
+            if key_of_p not in names:
+                names[key_of_p] = key
+                params[key_of_p] = p
         non_persistent = m._non_persistent_buffers_set
         for name, b in m._buffers.items():
             if b is None or name in non_persistent:
@@ -190,16 +193,16 @@ def optim_reason(optim: torch.optim.Optimizer, part: PlainPart) -> str | None:
         if not group["params"]:
             return "the optimizer has a parameter group without parameters"
         for p in group["params"]:
-            if id(p) not in part.names:
+            if identity(p) not in part.names:
                 return "the optimizer holds a parameter that is not in the model"
     return None
 
 
 def state_reason(optim: torch.optim.Optimizer, part: PlainPart) -> str | None:
     """Why `optim.state` needs DCP (a value DCP's flattening rejects or nests), or None."""
-    in_groups = {id(p) for g in optim.param_groups for p in g["params"]}
+    in_groups = {identity(p) for g in optim.param_groups for p in g["params"]}
     for p, state in optim.state.items():
-        if id(p) not in in_groups or not isinstance(state, dict):
+        if identity(p) not in in_groups or not isinstance(state, dict):
             return "the optimizer has state that is not a parameter's"
         for v in state.values():
             if not isinstance(v, (torch.Tensor, int, float)):
@@ -238,13 +241,13 @@ def flat_optim(
     names = part.names
     flat: dict[str, Any] = {}
     for p, state in optim.state.items():
-        prefix = f"state.{names[id(p)]}."
+        prefix = f"state.{names[identity(p)]}."
         for k, v in state.items():
             flat[f"{prefix}{k}"] = v
     for group in optim.param_groups:
         items = [(k, v) for k, v in group.items() if k != "params"]
         for i, p in enumerate(group["params"]):
-            prefix = f"param_groups.{names[id(p)]}."
+            prefix = f"param_groups.{names[identity(p)]}."
             if saved is None or i == 0:
                 for k, v in items:
                     flat[prefix + k] = v
@@ -289,11 +292,11 @@ def groups_to_load(
     for group in optim.param_groups:
         keys = [k for k in group if k != "params"]
         try:
-            first = names[id(group["params"][0])]
+            first = names[identity(group["params"][0])]
             saved = {k: loaded[f"param_groups.{first}.{k}"] for k in keys}
             for p in group["params"]:  # DCP drops a tied parameter's name without a group key
-                if keys and f"param_groups.{names[id(p)]}.{keys[0]}" not in loaded:
-                    return f"param_groups.{names[id(p)]}.{keys[0]} was not loaded"
+                if keys and f"param_groups.{names[identity(p)]}.{keys[0]}" not in loaded:
+                    return f"param_groups.{names[identity(p)]}.{keys[0]} was not loaded"
         except KeyError as e:
             return f"{e.args[0]} was not loaded"
         n = len(group["params"])
@@ -316,7 +319,7 @@ def state_to_load(
     for group in optim.param_groups:
         for p in group["params"]:
             if p.requires_grad:
-                prefix = f"state.{names[id(p)]}."
+                prefix = f"state.{names[identity(p)]}."
                 values = {}
                 for k in optim.state.get(p, ()):
                     if prefix + str(k) not in loaded:

@@ -17,7 +17,7 @@ PACKAGE = Path(trainckpt.__file__).parent
 # Bottom to top. A module's layer is the first entry its dotted name (inside `trainckpt`) starts
 # with; the package root (`__init__`), the public facade, is above everything it re-exports.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "testing", "version"),
+    ("errors", "identity", "testing", "version"),
     ("storage",),
     ("format",),
     ("core",),

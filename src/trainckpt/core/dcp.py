@@ -57,6 +57,7 @@ from trainckpt.format import native_metadata, plain_values, shard_checksums, sha
 from trainckpt.format.safe_unpickle import load_torch_plain
 from trainckpt.format.shard_reader import ParallelReader
 from trainckpt.format.shard_writer import RecordingWriter, ShardWriter
+from trainckpt.identity import identity
 from trainckpt.storage import Storage
 from trainckpt.storage.checksums import FileEntry
 from trainckpt.storage.ranged import RangeReader
@@ -165,7 +166,7 @@ class _SavePlanner(plan_cache.ReusingSavePlanner):
             ):
                 return obj
         elif index.offset is None and kind not in _PLAIN_TENSORS:
-            known = self._saved.get(id(obj))
+            known = self._saved.get(identity(obj))
             if known is not None and known[0] is obj:
                 return known[1]
         data = shard_writer.resolve_item(self, write_item)
@@ -174,7 +175,7 @@ class _SavePlanner(plan_cache.ReusingSavePlanner):
             and type(data) is bytes
             and plain_values.value_key(obj) is not None
         ):
-            self._saved[id(obj)] = (obj, data)  # immutable: same object, same bytes
+            self._saved[identity(obj)] = (obj, data)  # immutable: same object, same bytes
         return data
 
     def values_of(self, fqns: list[str]) -> list[Any]:

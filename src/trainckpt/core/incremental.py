@@ -53,6 +53,7 @@ from trainckpt.format.content_hash import (
     tensor_kind,
 )
 from trainckpt.format.tensor_item import small_item
+from trainckpt.identity import identity
 from trainckpt.storage import Storage
 from trainckpt.storage.checksums import FileEntry
 from trainckpt.testing.faults import fault_point
@@ -141,7 +142,7 @@ class _Plan:
         self.tensor = [i.tensor_data is not None for i in items]
         self.large = [_nbytes(i) >= LARGE_ITEM for i in items]
         self.any_large = any(self.large)
-        self.position = {id(item): n for n, item in enumerate(items)}
+        self.position = {identity(item): n for n, item in enumerate(items)}
         self.where = dict(zip(self.index, range(len(items)), strict=True))
         """Each item's position by its (fqn, offset)."""
         self.hyper = [i.index.fqn.startswith(_HYPER) for i in items]
@@ -490,9 +491,9 @@ class Session:
             same = list(map(operator.is_, sources, last.sources))
         if all(same):
             return cast("list[tuple[Hashable, bytes | None]]", last.keyed)
-        # the last save's data are held until here: an equal id is the same object
+        # the last save's data are held until here: an equal identity is the same object
         digest_of = {
-            id(d): k[1]
+            identity(d): k[1]
             for d, k in zip(last.data, last.keyed, strict=True)
             if k and type(d) is bytes
         }
@@ -500,9 +501,9 @@ class Session:
         for i in [i for i, s in enumerate(same) if not s]:
             value = data[i] = resolve(plan.byte_items[i])
             if type(value) is bytes:  # immutable: the same object, the same hash
-                digest = digest_of.get(id(value))
+                digest = digest_of.get(identity(value))
                 if digest is None:
-                    digest = digest_of[id(value)] = bytes_digest(value)
+                    digest = digest_of[identity(value)] = bytes_digest(value)
             else:
                 digest = None if isinstance(value, torch.Tensor) else bytes_digest(value)
             keyed[i] = (plan.byte_keys[i], digest)
@@ -526,7 +527,7 @@ class Session:
         keyed, position = self._keyed, plan.position
         files = []
         for shard, done in zip(shards, written, strict=True):
-            positions = list(map(position.__getitem__, map(id, shard.items)))
+            positions = list(map(position.__getitem__, map(identity, shard.items)))
             self._keyed_by_writer(positions, done.digests)
             ones = cast("list[tuple[Hashable, bytes | None]]", list(_at(keyed, positions)))
             assert len(ones) == len(done.spans) and None not in ones

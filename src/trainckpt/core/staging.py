@@ -154,7 +154,7 @@ class Stager:
             arena.tensor(offset, t.shape, t.dtype)
             for t, (arena, offset) in zip(tensors, places, strict=True)
         ]
-        self._arenas = list({id(arena): arena for arena, _ in places}.values())
+        self._arenas = list(dict.fromkeys(arena for arena, _ in places))  # by identity
         self._layout = (shared, pin, layout)
         if any(arena.pin_refused for arena in self._arenas):
             self._pin_refused = True

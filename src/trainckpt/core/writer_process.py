@@ -46,6 +46,7 @@ import torch
 from trainckpt.core.shared_memory import Arena, Locator, Span, allocate, file_size_limit
 from trainckpt.errors import CheckpointError, StorageError
 from trainckpt.format.shard_writer import ItemData, Shard, WrittenShard, write_shard
+from trainckpt.identity import identity
 from trainckpt.storage.local import write_failure
 from trainckpt.testing.faults import fault_point
 
@@ -273,7 +274,7 @@ def _export(
             if not isinstance(data, torch.Tensor):
                 append(data.getvalue() if isinstance(data, io.BytesIO) else bytes(data))
                 continue
-            key = id(data)
+            key = identity(data)
             hit = last.get(key)
             if hit is not None and hit[0] is data:
                 seen[key] = hit

@@ -42,6 +42,7 @@ from torch.futures import Future
 
 from trainckpt.format import shard_checksums
 from trainckpt.format.tensor_flags import flips_values
+from trainckpt.identity import identity
 from trainckpt.storage.ranged import RangeReader
 
 # A reading thread pays off only for large items: the work per item (planning, checking,
@@ -153,7 +154,7 @@ class ParallelReader(FileSystemReader):
         append = work.append
         as_read_item = planner.direct_read_item  # type: ignore[attr-defined]
         checked = self.save_id is not None
-        places: dict[int, tuple[_StorageInfo, list[str]]] = {}  # by the piece's id
+        places: dict[int, tuple[_StorageInfo, list[str]]] = {}  # by the piece (`identity`)
         for entry in direct:
             fqn, target = entry
             info = get(fqn)
@@ -164,9 +165,9 @@ class ParallelReader(FileSystemReader):
             elif target is not None:
                 append((info, entry))  # type: ignore[arg-type]
             else:
-                place = places.get(id(info))
+                place = places.get(identity(info))
                 if place is None:
-                    places[id(info)] = (info, [fqn])
+                    places[identity(info)] = (info, [fqn])
                 else:
                     place[1].append(fqn)
         work += [(info, (names, None)) for info, names in places.values()]  # type: ignore[misc]
