@@ -68,7 +68,7 @@ class PlainPart:
 
     model: dict[str, Any] = field(default_factory=dict)
     names: dict[int, str] = field(default_factory=dict)  # identity(parameter) -> first name
-    params: dict[int, torch.Tensor] = field(default_factory=dict)
+    params: dict[int, torch.Tensor] = field(default_factory=dict)  # held: keeps `names` valid
     extra: dict[str, nn.Module] = field(default_factory=dict)
 
 

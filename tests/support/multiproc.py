@@ -66,13 +66,13 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     in rank order. An exception on any rank fails the call; so does exceeding `timeout`. A
     rendezvous port taken meanwhile is tried again with another (at most 3 times): `fn` never
     ran then."""
-    for attempt in range(3):
+    for _ in range(2):
         try:
             return _run_ranks(fn, world_size, args, timeout)
         except torch_mp.ProcessRaisedException as e:
-            if _PORT_TAKEN not in str(e) or attempt == 2:
+            if _PORT_TAKEN not in str(e):
                 raise
-    raise AssertionError("unreachable")
+    return _run_ranks(fn, world_size, args, timeout)
 
 
 def _run_ranks(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float) -> list:
